@@ -1,0 +1,593 @@
+// Package agent is sluice-agent as a library: configuration, one session per node, reconnect with backoff, and the local connector that dials configured upstreams.
+package agent
+
+import (
+	"bytes"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/netip"
+	"net/url"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+
+	"go.uber.org/zap/zapcore"
+	"gopkg.in/yaml.v3"
+)
+
+// Config is the agent's configuration (YAML file, flags, SLUICE_* environment).
+//
+// A Config is usable only after Validate succeeded: Validate fills the
+// defaults, reads token_file into Token and keeps the parsed forms of the
+// server address, the targets and the host patterns.
+type Config struct {
+	// Server is grpc://host:port (plaintext) or grpcs://host:port (TLS). Required.
+	Server string `yaml:"server"`
+	// Insecure (grpcs only) skips verification of the server certificate.
+	Insecure bool `yaml:"insecure"`
+	// CAFile (grpcs only) is a PEM CA bundle trusted instead of the system roots.
+	CAFile string `yaml:"ca_file"`
+	// Token is the bearer token the agent presents. After Validate it also
+	// holds the contents of TokenFile.
+	Token string `yaml:"token"`
+	// TokenFile is read by Validate, trimmed of surrounding white space.
+	// Mutually exclusive with Token.
+	TokenFile string `yaml:"token_file"`
+	// ID is the agent id; Validate defaults it to "agent-" and 12 random hex
+	// digits, different for every Config.
+	ID string `yaml:"id"`
+	// Upstreams are the local services the agent serves; at least one.
+	Upstreams []Upstream `yaml:"upstreams"`
+	// MaxConnections limits concurrent virtual connections; 0 means the
+	// default (derived by the caller). Must be >= 0.
+	MaxConnections int `yaml:"max_connections"`
+	// LogLevel is debug, info, warn or error; default info.
+	LogLevel string `yaml:"log_level"`
+
+	serverTLS  bool   // parsed Server: grpcs
+	serverAddr string // parsed Server: host:port
+	// tokenFrom and tokenRead record the TokenFile whose contents Validate
+	// put in Token, so that a second Validate does not mistake them for a
+	// conflicting token.
+	tokenFrom, tokenRead string
+}
+
+// Upstream is one local service the agent serves through the tunnel.
+type Upstream struct {
+	// Name is the stable route name. Default: Host, HostPattern,
+	// ":<listen_port>", or "*" for the catch-all upstream.
+	Name string `yaml:"name"`
+	// Host is an exact host name, lowercased by Validate, without port.
+	// "*" is accepted as the catch-all and normalised to "".
+	Host string `yaml:"host"`
+	// HostPattern is an RE2 regexp that must match the whole host name.
+	HostPattern string `yaml:"host_pattern"`
+	// Target is http://host:port, https://host:port or tcp://host:port.
+	Target string `yaml:"target"`
+	// RewriteHost is the Host header the upstream expects; empty keeps the
+	// client's.
+	RewriteHost string `yaml:"rewrite_host"`
+	// InsecureSkipVerify (https targets only) skips verification of the
+	// upstream's certificate.
+	InsecureSkipVerify bool `yaml:"insecure_skip_verify"`
+	// TLSPassthrough routes raw TLS by SNI; requires Host or HostPattern and
+	// a tcp:// target.
+	TLSPassthrough bool `yaml:"tls_passthrough"`
+	// ListenPort (1..65535) asks the node to bind this TCP port and relay it
+	// verbatim; requires a tcp:// target and excludes Host, HostPattern and
+	// TLSPassthrough.
+	ListenPort int `yaml:"listen_port"`
+	// ProxyProtocol is "", "v1" or "v2" (tcp:// targets only): the PROXY
+	// protocol header the agent sends to the upstream.
+	ProxyProtocol string `yaml:"proxy_protocol"`
+	// ForceHTTP1 makes the agent speak HTTP/1.1 only to the upstream.
+	ForceHTTP1 bool `yaml:"force_http1"`
+	// AllowedCIDRs are the client prefixes allowed on this route; empty
+	// allows all.
+	AllowedCIDRs []string `yaml:"allowed_cidrs"`
+	// VerbatimIdleTimeout closes a verbatim-relayed connection idle this
+	// long; 0 keeps the node's default. YAML takes Go durations ("30s").
+	VerbatimIdleTimeout time.Duration `yaml:"verbatim_idle_timeout"`
+
+	scheme   string         // parsed Target: http, https or tcp
+	hostport string         // parsed Target: host:port
+	pattern  *regexp.Regexp // compiled ^(?:HostPattern)$
+	prefixes []netip.Prefix // parsed AllowedCIDRs
+}
+
+// ServerAddr returns the parsed Server (valid after Validate): whether to use
+// TLS (grpcs) and the host:port to dial.
+func (c *Config) ServerAddr() (useTLS bool, hostport string) {
+	return c.serverTLS, c.serverAddr
+}
+
+// ZapLevel returns LogLevel as a zap level (info when unset or invalid).
+func (c *Config) ZapLevel() zapcore.Level {
+	var l zapcore.Level
+	if err := l.UnmarshalText([]byte(strings.ToLower(c.LogLevel))); err != nil || c.LogLevel == "" {
+		return zapcore.InfoLevel
+	}
+	return l
+}
+
+// TargetURL returns the parsed Target (valid after Validate): scheme is
+// "http", "https" or "tcp" and hostport is the address to dial.
+func (u Upstream) TargetURL() (scheme, hostport string) {
+	return u.scheme, u.hostport
+}
+
+// Pattern returns HostPattern compiled as ^(?:pattern)$, or nil when the
+// upstream has no host pattern (or, before Validate, an invalid one).
+func (u Upstream) Pattern() *regexp.Regexp {
+	if u.pattern != nil || u.HostPattern == "" {
+		return u.pattern
+	}
+	re, err := compilePattern(u.HostPattern)
+	if err != nil {
+		return nil
+	}
+	return re
+}
+
+// Prefixes returns the parsed AllowedCIDRs (valid after Validate).
+func (u Upstream) Prefixes() []netip.Prefix {
+	return u.prefixes
+}
+
+// IsCatchAll reports whether the upstream takes every host no other upstream
+// matches: no host, no host pattern and no listen port.
+func (u Upstream) IsCatchAll() bool {
+	return (u.Host == "" || u.Host == "*") && u.HostPattern == "" && u.ListenPort == 0
+}
+
+func compilePattern(p string) (*regexp.Regexp, error) {
+	return regexp.Compile("^(?:" + p + ")$")
+}
+
+// LoadFile reads a YAML configuration file. Unknown fields are rejected. The
+// result is not validated: merge the environment and flags, then call Validate.
+func LoadFile(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config file: %w", err)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	c := new(Config)
+	if err := dec.Decode(c); err != nil {
+		if errors.Is(err, io.EOF) {
+			return c, nil // empty file
+		}
+		return nil, fmt.Errorf("config file %s: %w", path, err)
+	}
+	var extra yaml.Node
+	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("config file %s: more than one YAML document", path)
+	}
+	return c, nil
+}
+
+// Environment variables read by ApplyEnv (and SLUICE_CONFIG by ParseFlags).
+const (
+	EnvConfig         = "SLUICE_CONFIG"
+	EnvServer         = "SLUICE_SERVER"
+	EnvToken          = "SLUICE_TOKEN"
+	EnvTokenFile      = "SLUICE_TOKEN_FILE"
+	EnvID             = "SLUICE_ID"
+	EnvInsecure       = "SLUICE_INSECURE"
+	EnvCAFile         = "SLUICE_CA_FILE"
+	EnvLogLevel       = "SLUICE_LOG_LEVEL"
+	EnvMaxConnections = "SLUICE_MAX_CONNECTIONS"
+	EnvUpstreams      = "SLUICE_UPSTREAMS"
+)
+
+// ApplyEnv overrides c with the SLUICE_* variables that getenv reports
+// non-empty. SLUICE_UPSTREAMS holds semicolon-separated upstream specs (the
+// -upstream syntax, see ParseUpstream); they are appended to c.Upstreams.
+// Setting only one of SLUICE_TOKEN and SLUICE_TOKEN_FILE replaces both
+// token settings of the file.
+func (c *Config) ApplyEnv(getenv func(string) string) error {
+	if getenv == nil {
+		getenv = os.Getenv
+	}
+	var errs []error
+	setStr := func(name string, dst *string) {
+		if v := getenv(name); v != "" {
+			*dst = v
+		}
+	}
+	setStr(EnvServer, &c.Server)
+	setStr(EnvID, &c.ID)
+	setStr(EnvCAFile, &c.CAFile)
+	setStr(EnvLogLevel, &c.LogLevel)
+	c.setToken(getenv(EnvToken), getenv(EnvTokenFile))
+	if v := getenv(EnvInsecure); v != "" {
+		b, err := strconv.ParseBool(strings.TrimSpace(v))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: invalid boolean %q", EnvInsecure, v))
+		} else {
+			c.Insecure = b
+		}
+	}
+	if v := getenv(EnvMaxConnections); v != "" {
+		n, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: invalid integer %q", EnvMaxConnections, v))
+		} else {
+			c.MaxConnections = n
+		}
+	}
+	if v := getenv(EnvUpstreams); v != "" {
+		for _, spec := range strings.Split(v, ";") {
+			if strings.TrimSpace(spec) == "" {
+				continue
+			}
+			u, err := ParseUpstream(spec)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", EnvUpstreams, err))
+				continue
+			}
+			c.Upstreams = append(c.Upstreams, u)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// setToken applies one configuration layer's token settings: a layer that
+// sets only one of them replaces both settings of the layers below; a layer
+// that sets both keeps both (Validate then reports the conflict).
+func (c *Config) setToken(token, file string) {
+	switch {
+	case token != "" && file != "":
+		c.Token, c.TokenFile = token, file
+	case token != "":
+		c.Token, c.TokenFile = token, ""
+	case file != "":
+		c.Token, c.TokenFile = "", file
+	}
+	c.tokenFrom, c.tokenRead = "", ""
+}
+
+// NewID returns a random agent id: "agent-" and 12 hex digits.
+func NewID() string {
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic("agent: crypto/rand: " + err.Error())
+	}
+	return "agent-" + hex.EncodeToString(b[:])
+}
+
+var logLevels = map[string]bool{"debug": true, "info": true, "warn": true, "error": true}
+
+// maxIdleTimeout is the largest VerbatimIdleTimeout the protocol carries
+// (uint32 milliseconds).
+const maxIdleTimeout = time.Duration(math.MaxUint32) * time.Millisecond
+
+// Validate normalises c (lowercases hosts and schemes, fills default names,
+// ID and log level, reads TokenFile into Token, parses server and targets)
+// and checks it. The error joins one error per problem, each prefixed with
+// the field it concerns, e.g. "upstreams[1].target: ...". Validate may be
+// called again on a validated Config.
+func (c *Config) Validate() error {
+	var errs []error
+	fail := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+
+	// server
+	c.Server = strings.TrimSpace(c.Server)
+	c.serverTLS, c.serverAddr = false, ""
+	if c.Server == "" {
+		fail("server", "required")
+	} else if scheme, hostport, err := parseURL(c.Server, "grpc or grpcs", "grpc", "grpcs"); err != nil {
+		fail("server", "%v", err)
+	} else {
+		c.serverTLS, c.serverAddr = scheme == "grpcs", hostport
+	}
+	if !c.serverTLS && c.serverAddr != "" {
+		if c.Insecure {
+			fail("insecure", "only valid with a grpcs:// server")
+		}
+		if c.CAFile != "" {
+			fail("ca_file", "only valid with a grpcs:// server")
+		}
+	}
+	if c.CAFile != "" {
+		if c.Insecure {
+			fail("ca_file", "insecure and ca_file are mutually exclusive")
+		}
+		if pem, err := os.ReadFile(c.CAFile); err != nil {
+			fail("ca_file", "%v", err)
+		} else if !x509.NewCertPool().AppendCertsFromPEM(pem) {
+			fail("ca_file", "%s: no PEM certificate found", c.CAFile)
+		}
+	}
+
+	// token
+	c.Token = strings.TrimSpace(c.Token)
+	switch {
+	case c.TokenFile != "" && c.Token != "" && (c.tokenFrom != c.TokenFile || c.tokenRead != c.Token):
+		fail("token", "token and token_file are mutually exclusive")
+	case c.TokenFile != "":
+		data, err := os.ReadFile(c.TokenFile)
+		if err != nil {
+			fail("token_file", "%v", err)
+			break
+		}
+		tok := strings.TrimSpace(string(data))
+		if tok == "" {
+			fail("token_file", "%s is empty", c.TokenFile)
+			break
+		}
+		c.Token, c.tokenFrom, c.tokenRead = tok, c.TokenFile, tok
+	case c.Token == "":
+		fail("token", "required (set token or token_file)")
+	}
+
+	// id
+	c.ID = strings.TrimSpace(c.ID)
+	if c.ID == "" {
+		c.ID = NewID()
+	} else if len(c.ID) > 128 {
+		fail("id", "longer than 128 bytes")
+	} else if strings.IndexFunc(c.ID, func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) >= 0 {
+		fail("id", "%q contains white space or control characters", c.ID)
+	}
+
+	// log level, max connections
+	c.LogLevel = strings.ToLower(strings.TrimSpace(c.LogLevel))
+	if c.LogLevel == "" {
+		c.LogLevel = "info"
+	} else if !logLevels[c.LogLevel] {
+		fail("log_level", "%q not supported (want debug, info, warn or error)", c.LogLevel)
+	}
+	if c.MaxConnections < 0 {
+		fail("max_connections", "must be >= 0, got %d", c.MaxConnections)
+	}
+
+	// upstreams
+	if len(c.Upstreams) == 0 {
+		fail("upstreams", "at least one upstream is required")
+	}
+	names := map[string]int{}
+	routes := map[string]int{}
+	for i := range c.Upstreams {
+		u := &c.Upstreams[i]
+		field := fmt.Sprintf("upstreams[%d]", i)
+		n := len(errs)
+		errs = append(errs, u.validate(field)...)
+		if len(errs) > n {
+			continue
+		}
+		if j, ok := names[u.Name]; ok {
+			fail(field+".name", "duplicate name %q (also upstreams[%d])", u.Name, j)
+			continue
+		}
+		names[u.Name] = i
+		if key, what := u.routeKey(); key != "" {
+			if j, ok := routes[key]; ok {
+				fail(field, "%s already served by upstreams[%d]", what, j)
+			} else {
+				routes[key] = i
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// routeKey identifies what the upstream routes, to detect two upstreams
+// claiming the same host, listen port or catch-all.
+func (u *Upstream) routeKey() (key, what string) {
+	switch {
+	case u.ListenPort != 0:
+		return fmt.Sprintf("port:%d", u.ListenPort), fmt.Sprintf("listen_port %d", u.ListenPort)
+	case u.Host != "" && u.TLSPassthrough:
+		return "sni:" + u.Host, fmt.Sprintf("tls_passthrough host %q", u.Host)
+	case u.Host != "":
+		return "host:" + u.Host, fmt.Sprintf("host %q", u.Host)
+	case u.HostPattern != "":
+		return "", ""
+	default:
+		return "catch-all", "catch-all"
+	}
+}
+
+// validate normalises and checks one upstream; field is its path.
+func (u *Upstream) validate(field string) []error {
+	var errs []error
+	fail := func(sub, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s.%s: %s", field, sub, fmt.Sprintf(format, args...)))
+	}
+	u.scheme, u.hostport, u.pattern, u.prefixes = "", "", nil, nil
+
+	// target
+	u.Target = strings.TrimSpace(u.Target)
+	if u.Target == "" {
+		fail("target", "required")
+	} else if scheme, hostport, err := parseURL(u.Target, "http, https or tcp", "http", "https", "tcp"); err != nil {
+		fail("target", "%v", err)
+	} else {
+		u.scheme, u.hostport = scheme, hostport
+	}
+	isTCP := u.scheme == "tcp"
+	haveTarget := u.scheme != ""
+
+	// host, host_pattern
+	u.Host = strings.TrimSuffix(strings.ToLower(strings.TrimSpace(u.Host)), ".")
+	if u.Host == "*" {
+		u.Host = ""
+	}
+	if u.Host != "" {
+		if err := checkHostName(u.Host); err != nil {
+			fail("host", "%v", err)
+		}
+	}
+	if u.HostPattern != "" {
+		if u.Host != "" {
+			fail("host_pattern", "host and host_pattern are mutually exclusive")
+		}
+		re, err := compilePattern(u.HostPattern)
+		if err != nil {
+			fail("host_pattern", "%v", err)
+		} else {
+			u.pattern = re
+		}
+	}
+	hasHost := u.Host != "" || u.HostPattern != ""
+
+	if u.InsecureSkipVerify && haveTarget && u.scheme != "https" {
+		fail("insecure_skip_verify", "only valid with an https:// target")
+	}
+	if u.TLSPassthrough {
+		if !hasHost {
+			fail("tls_passthrough", "requires host or host_pattern")
+		}
+		if haveTarget && !isTCP {
+			fail("tls_passthrough", "requires a tcp:// target")
+		}
+	}
+	if u.ListenPort != 0 {
+		if u.ListenPort < 1 || u.ListenPort > 65535 {
+			fail("listen_port", "%d out of range 1..65535", u.ListenPort)
+		}
+		if haveTarget && !isTCP {
+			fail("listen_port", "requires a tcp:// target")
+		}
+		if u.Host != "" {
+			fail("listen_port", "cannot be combined with host")
+		}
+		if u.HostPattern != "" {
+			fail("listen_port", "cannot be combined with host_pattern")
+		}
+		if u.TLSPassthrough {
+			fail("listen_port", "cannot be combined with tls_passthrough")
+		}
+	}
+
+	u.ProxyProtocol = strings.ToLower(strings.TrimSpace(u.ProxyProtocol))
+	switch u.ProxyProtocol {
+	case "":
+	case "v1", "v2":
+		if haveTarget && !isTCP {
+			fail("proxy_protocol", "only valid with a tcp:// target")
+		}
+	default:
+		fail("proxy_protocol", "%q not supported (want v1 or v2)", u.ProxyProtocol)
+	}
+	if isTCP && u.ForceHTTP1 {
+		fail("force_http1", "only valid with an http:// or https:// target")
+	}
+	u.RewriteHost = strings.TrimSpace(u.RewriteHost)
+	if u.RewriteHost != "" {
+		if isTCP {
+			fail("rewrite_host", "only valid with an http:// or https:// target")
+		}
+		if strings.ContainsFunc(u.RewriteHost, func(r rune) bool { return unicode.IsSpace(r) || r == '/' || !unicode.IsPrint(r) }) {
+			fail("rewrite_host", "%q is not a host[:port]", u.RewriteHost)
+		}
+	}
+
+	for j, s := range u.AllowedCIDRs {
+		p, err := netip.ParsePrefix(strings.TrimSpace(s))
+		if err != nil {
+			fail(fmt.Sprintf("allowed_cidrs[%d]", j), "%v", err)
+			continue
+		}
+		u.prefixes = append(u.prefixes, p)
+	}
+	if u.VerbatimIdleTimeout < 0 {
+		fail("verbatim_idle_timeout", "must be >= 0, got %v", u.VerbatimIdleTimeout)
+	} else if u.VerbatimIdleTimeout > maxIdleTimeout {
+		fail("verbatim_idle_timeout", "must be at most %v", maxIdleTimeout)
+	}
+
+	// name
+	u.Name = strings.TrimSpace(u.Name)
+	if u.Name == "" {
+		switch {
+		case u.Host != "":
+			u.Name = u.Host
+		case u.HostPattern != "":
+			u.Name = u.HostPattern
+		case u.ListenPort != 0:
+			u.Name = ":" + strconv.Itoa(u.ListenPort)
+		default:
+			u.Name = "*"
+		}
+	} else if strings.ContainsFunc(u.Name, func(r rune) bool { return !unicode.IsPrint(r) }) {
+		fail("name", "%q contains control characters", u.Name)
+	}
+	return errs
+}
+
+// parseURL parses scheme://host:port with an empty or "/" path; scheme must
+// be one of schemes (described by want).
+func parseURL(s, want string, schemes ...string) (scheme, hostport string, err error) {
+	pu, err := url.Parse(s)
+	if err != nil {
+		return "", "", fmt.Errorf("invalid URL %q: %v", s, errors.Unwrap(err))
+	}
+	scheme = strings.ToLower(pu.Scheme)
+	switch {
+	case scheme == "":
+		return "", "", fmt.Errorf("%q has no scheme (want %s)", s, want)
+	case !slices.Contains(schemes, scheme):
+		return "", "", fmt.Errorf("scheme %q not supported (want %s)", scheme, want)
+	case pu.Opaque != "" || pu.Host == "":
+		return "", "", fmt.Errorf("%q has no host (want %s://host:port)", s, scheme)
+	case pu.User != nil:
+		return "", "", fmt.Errorf("%q: user info not allowed", s)
+	case pu.Path != "" && pu.Path != "/":
+		return "", "", fmt.Errorf("%q: path %q not allowed", s, pu.Path)
+	case pu.RawQuery != "" || pu.ForceQuery:
+		return "", "", fmt.Errorf("%q: query not allowed", s)
+	case pu.Fragment != "":
+		return "", "", fmt.Errorf("%q: fragment not allowed", s)
+	}
+	host, port, err := net.SplitHostPort(pu.Host)
+	if err != nil {
+		return "", "", fmt.Errorf("%q: port required (want %s://host:port)", s, scheme)
+	}
+	if host == "" {
+		return "", "", fmt.Errorf("%q has no host (want %s://host:port)", s, scheme)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return "", "", fmt.Errorf("%q: invalid port %q", s, port)
+	}
+	return scheme, pu.Host, nil
+}
+
+// checkHostName accepts lowercase DNS names (letters, digits, '-', '_'),
+// and IP addresses; no port.
+func checkHostName(h string) error {
+	if strings.Contains(h, ":") {
+		if _, err := netip.ParseAddr(strings.Trim(h, "[]")); err == nil {
+			return nil
+		}
+		return fmt.Errorf("%q: no port allowed (use the bare host name)", h)
+	}
+	if len(h) > 253 {
+		return fmt.Errorf("%q is longer than 253 bytes", h)
+	}
+	for _, label := range strings.Split(h, ".") {
+		if label == "" {
+			return fmt.Errorf("%q has an empty label", h)
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+				return fmt.Errorf("%q: invalid character %q (want an exact host name; use host_pattern for patterns)", h, r)
+			}
+		}
+	}
+	return nil
+}

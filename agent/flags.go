@@ -1,0 +1,291 @@
+package agent
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// ParseFlags builds the agent's configuration from the command line args
+// (without the program name), the environment (getenv; os.Getenv when nil)
+// and the configuration file named by -config or SLUICE_CONFIG, then
+// validates it. Precedence: file < environment < flags; upstreams from the
+// three sources are concatenated in that order.
+//
+// ParseFlags prints nothing. For -h or -help it returns an error that
+// matches flag.ErrHelp (errors.Is) and whose text is the usage; a flag error
+// is returned as such.
+func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
+	if getenv == nil {
+		getenv = os.Getenv
+	}
+	fs, v := newFlagSet()
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil, helpError{}
+		}
+		return nil, fmt.Errorf("%w (see -h)", err)
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q (see -h)", fs.Arg(0))
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+
+	path := getenv(EnvConfig)
+	if set["config"] {
+		path = v.config
+	}
+	c := new(Config)
+	if path != "" {
+		var err error
+		if c, err = LoadFile(path); err != nil {
+			return nil, err
+		}
+	}
+	if err := c.ApplyEnv(getenv); err != nil {
+		return nil, err
+	}
+
+	if set["server"] {
+		c.Server = v.server
+	}
+	if set["insecure"] {
+		c.Insecure = v.insecure
+	}
+	if set["ca-file"] {
+		c.CAFile = v.caFile
+	}
+	if set["id"] {
+		c.ID = v.id
+	}
+	if set["log-level"] {
+		c.LogLevel = v.logLevel
+	}
+	if set["max-connections"] {
+		c.MaxConnections = v.maxConns
+	}
+	if set["token"] || set["token-file"] {
+		c.setToken(v.token, v.tokenFile)
+	}
+	var errs []error
+	for _, spec := range v.upstreams {
+		u, err := ParseUpstream(spec)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("-upstream: %w", err))
+			continue
+		}
+		c.Upstreams = append(c.Upstreams, u)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+type flagValues struct {
+	config, server, token, tokenFile, id, caFile, logLevel string
+	insecure                                               bool
+	maxConns                                               int
+	upstreams                                              stringList
+}
+
+func newFlagSet() (*flag.FlagSet, *flagValues) {
+	v := new(flagValues)
+	fs := flag.NewFlagSet("sluice-agent", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	fs.StringVar(&v.config, "config", "", "YAML configuration `file` ($"+EnvConfig+")")
+	fs.StringVar(&v.server, "server", "", "sluice server, grpc://host:port or grpcs://host:port ($"+EnvServer+")")
+	fs.StringVar(&v.token, "token", "", "authentication token ($"+EnvToken+")")
+	fs.StringVar(&v.tokenFile, "token-file", "", "read the token from `file` ($"+EnvTokenFile+")")
+	fs.StringVar(&v.id, "id", "", "agent id; default agent-<12 random hex digits> ($"+EnvID+")")
+	fs.BoolVar(&v.insecure, "insecure", false, "grpcs: do not verify the server certificate ($"+EnvInsecure+")")
+	fs.StringVar(&v.caFile, "ca-file", "", "grpcs: PEM CA bundle `file` to trust instead of the system roots ($"+EnvCAFile+")")
+	fs.StringVar(&v.logLevel, "log-level", "", "debug, info, warn or error; default info ($"+EnvLogLevel+")")
+	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
+	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
+	return fs, v
+}
+
+// helpError is returned by ParseFlags for -h: its text is the usage.
+type helpError struct{}
+
+func (helpError) Error() string {
+	var b bytes.Buffer
+	Usage(&b)
+	return strings.TrimRight(b.String(), "\n")
+}
+
+func (helpError) Unwrap() error { return flag.ErrHelp }
+
+// Usage writes the command line help of sluice-agent: flags, environment
+// variables and the upstream spec syntax.
+func Usage(w io.Writer) {
+	fs, _ := newFlagSet()
+	fs.SetOutput(w)
+	fmt.Fprintf(w, "Usage: sluice-agent [flags]\n\nFlags:\n")
+	fs.PrintDefaults()
+	fmt.Fprintf(w, `
+Environment (overrides the config file; flags override the environment):
+  %s  %s  %s  %s  %s
+  %s  %s  %s  %s  %s
+
+Upstream spec (-upstream, %s):
+  comma-separated key=value pairs; boolean keys may appear bare:
+    host=app.example.com,target=http://127.0.0.1:3000
+    host_pattern=.*\.example\.com,target=https://10.0.0.5:8443,insecure_skip_verify
+    host=db.example.com,target=tcp://127.0.0.1:5432,tls_passthrough
+    listen_port=16379,target=tcp://127.0.0.1:6379,proxy_protocol=v2
+  keys: name host host_pattern target rewrite_host insecure_skip_verify
+        tls_passthrough listen_port proxy_protocol force_http1
+        allowed_cidrs (repeatable) verbatim_idle_timeout (e.g. 30s)
+  short form: HOST=TARGET[,key=value...], e.g. app.example.com=http://127.0.0.1:3000
+  catch-all:  *=TARGET
+`, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
+		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvUpstreams, EnvUpstreams)
+}
+
+type stringList []string
+
+func (l *stringList) String() string { return strings.Join(*l, " ") }
+
+func (l *stringList) Set(s string) error {
+	*l = append(*l, s)
+	return nil
+}
+
+var specKeys = map[string]bool{
+	"name": false, "host": false, "host_pattern": false, "target": false,
+	"rewrite_host": false, "listen_port": false, "proxy_protocol": false,
+	"allowed_cidrs": false, "verbatim_idle_timeout": false,
+	// boolean keys
+	"insecure_skip_verify": true, "tls_passthrough": true, "force_http1": true,
+}
+
+// ParseUpstream parses an upstream spec, the syntax of -upstream and
+// SLUICE_UPSTREAMS: comma-separated key=value pairs named like the YAML
+// fields (a '-' in a key is read as '_'), boolean keys possibly bare, e.g.
+//
+//	host=app.example.com,target=http://127.0.0.1:3000,rewrite_host=app.local
+//	listen_port=16379,target=tcp://127.0.0.1:6379,proxy_protocol=v2
+//
+// When the first key is not a key name, the first pair is HOST=TARGET:
+// "app.example.com=http://127.0.0.1:3000", and "*=TARGET" is the catch-all.
+// allowed_cidrs may repeat and may list several prefixes separated by
+// spaces. A comma inside a host_pattern value (as in "a{1,3}") is kept when
+// the text after it is not itself a key=value pair. The result is not
+// validated.
+func ParseUpstream(spec string) (Upstream, error) {
+	var u Upstream
+	fail := func(format string, args ...any) (Upstream, error) {
+		return Upstream{}, fmt.Errorf("upstream spec %q: %s", spec, fmt.Sprintf(format, args...))
+	}
+	if strings.TrimSpace(spec) == "" {
+		return fail("empty")
+	}
+	seen := map[string]bool{}
+	prev := ""
+	for i, raw := range strings.Split(spec, ",") {
+		part := strings.TrimSpace(raw)
+		if part == "" {
+			continue
+		}
+		k, val, hasVal := strings.Cut(part, "=")
+		key := strings.ReplaceAll(strings.ToLower(strings.TrimSpace(k)), "-", "_")
+		val = strings.TrimSpace(val)
+		isBool, known := specKeys[key]
+		if !known {
+			switch {
+			case i == 0 && hasVal:
+				// short form HOST=TARGET; "*" is the catch-all.
+				host := strings.TrimSpace(k)
+				if host == "" {
+					return fail("empty host before '='")
+				}
+				if host != "*" {
+					u.Host = host
+				}
+				u.Target = val
+				seen["host"], seen["target"] = true, true
+				prev = "target"
+				continue
+			case prev == "host_pattern":
+				u.HostPattern += "," + raw
+				continue
+			case hasVal:
+				return fail("unknown key %q", k)
+			default:
+				return fail("%q is not key=value", part)
+			}
+		}
+		if seen[key] && key != "allowed_cidrs" {
+			return fail("%s given twice", key)
+		}
+		seen[key] = true
+		prev = key
+		if isBool {
+			b := true
+			if hasVal {
+				var err error
+				if b, err = strconv.ParseBool(val); err != nil {
+					return fail("%s: invalid boolean %q", key, val)
+				}
+			}
+			switch key {
+			case "insecure_skip_verify":
+				u.InsecureSkipVerify = b
+			case "tls_passthrough":
+				u.TLSPassthrough = b
+			case "force_http1":
+				u.ForceHTTP1 = b
+			}
+			continue
+		}
+		if !hasVal {
+			return fail("%s needs a value (%s=...)", key, key)
+		}
+		switch key {
+		case "name":
+			u.Name = val
+		case "host":
+			u.Host = val
+		case "host_pattern":
+			u.HostPattern = val
+		case "target":
+			u.Target = val
+		case "rewrite_host":
+			u.RewriteHost = val
+		case "listen_port":
+			n, err := strconv.Atoi(val)
+			if err != nil {
+				return fail("listen_port: invalid port %q", val)
+			}
+			u.ListenPort = n
+		case "proxy_protocol":
+			u.ProxyProtocol = val
+		case "allowed_cidrs":
+			u.AllowedCIDRs = append(u.AllowedCIDRs, strings.Fields(val)...)
+		case "verbatim_idle_timeout":
+			d, err := time.ParseDuration(val)
+			if err != nil {
+				return fail("verbatim_idle_timeout: invalid duration %q", val)
+			}
+			u.VerbatimIdleTimeout = d
+		}
+	}
+	u.HostPattern = strings.TrimSpace(u.HostPattern)
+	if u.Target == "" {
+		return fail("target missing")
+	}
+	return u, nil
+}

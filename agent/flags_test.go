@@ -1,0 +1,222 @@
+package agent
+
+import (
+	"errors"
+	"flag"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseUpstream(t *testing.T) {
+	tests := []struct {
+		spec string
+		want Upstream
+	}{
+		{"host=app.example.com,target=http://127.0.0.1:3000",
+			Upstream{Host: "app.example.com", Target: "http://127.0.0.1:3000"}},
+		{"app.example.com=http://127.0.0.1:3000",
+			Upstream{Host: "app.example.com", Target: "http://127.0.0.1:3000"}},
+		{"app.example.com=http://127.0.0.1:3000,rewrite_host=app.local,force_http1",
+			Upstream{Host: "app.example.com", Target: "http://127.0.0.1:3000", RewriteHost: "app.local", ForceHTTP1: true}},
+		{"*=http://127.0.0.1:8080",
+			Upstream{Target: "http://127.0.0.1:8080"}},
+		{"target=http://127.0.0.1:8080,name=fallback",
+			Upstream{Name: "fallback", Target: "http://127.0.0.1:8080"}},
+		{" host = db.example.com , target = tcp://127.0.0.1:5432 , tls_passthrough , proxy_protocol=v2 ",
+			Upstream{Host: "db.example.com", Target: "tcp://127.0.0.1:5432", TLSPassthrough: true, ProxyProtocol: "v2"}},
+		{"listen_port=16379,target=tcp://127.0.0.1:6379,verbatim_idle_timeout=1m30s,allowed_cidrs=10.0.0.0/8 192.168.0.0/16,allowed_cidrs=::1/128",
+			Upstream{ListenPort: 16379, Target: "tcp://127.0.0.1:6379", VerbatimIdleTimeout: 90 * time.Second,
+				AllowedCIDRs: []string{"10.0.0.0/8", "192.168.0.0/16", "::1/128"}}},
+		{"host-pattern=[a-z]{1,3}\\.example\\.com,target=https://10.0.0.5:8443,insecure-skip-verify=true,force_http1=false",
+			Upstream{HostPattern: `[a-z]{1,3}\.example\.com`, Target: "https://10.0.0.5:8443", InsecureSkipVerify: true}},
+		{"target=http://a:1,host_pattern=(a|b){2,}x",
+			Upstream{HostPattern: "(a|b){2,}x", Target: "http://a:1"}},
+		{"target=http://a:1,host=a,", Upstream{Host: "a", Target: "http://a:1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.spec, func(t *testing.T) {
+			got, err := ParseUpstream(tt.spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("got  %+v\nwant %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestParseUpstreamErrors(t *testing.T) {
+	tests := []struct{ spec, want string }{
+		{"", "empty"},
+		{"host=a", "target missing"},
+		{"host=a,target=http://a:1,colour=red", `unknown key "colour"`},
+		{"app.example.com", `"app.example.com" is not key=value`},
+		{"host=a,target=http://a:1,target=http://b:1", "target given twice"},
+		{"a=http://a:1,host=b", "host given twice"},
+		{"target=http://a:1,host", "host needs a value"},
+		{"target=tcp://a:1,listen_port=redis", `listen_port: invalid port "redis"`},
+		{"target=tcp://a:1,tls_passthrough=yes please", "tls_passthrough: invalid boolean"},
+		{"target=tcp://a:1,verbatim_idle_timeout=30", `verbatim_idle_timeout: invalid duration "30"`},
+		{"=http://a:1", "empty host"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.spec, func(t *testing.T) {
+			_, err := ParseUpstream(tt.spec)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("err = %v, want %q", err, tt.want)
+			}
+			if !strings.Contains(err.Error(), "upstream spec") {
+				t.Errorf("err %q does not name the spec", err)
+			}
+		})
+	}
+}
+
+func TestParseFlagsPrecedence(t *testing.T) {
+	tokenFile := writeFile(t, "token", "file-token\n")
+	cfg := writeFile(t, "agent.yaml", `
+server: grpc://file:1
+token: yaml-token
+id: file-id
+log_level: error
+max_connections: 10
+upstreams:
+  - host: file.example.com
+    target: http://127.0.0.1:1
+`)
+	env := map[string]string{
+		EnvConfig:    cfg,
+		EnvServer:    "grpc://env:2",
+		EnvID:        "env-id",
+		EnvLogLevel:  "warn",
+		EnvUpstreams: "env.example.com=http://127.0.0.1:2",
+	}
+	tests := []struct {
+		name  string
+		args  []string
+		check func(t *testing.T, c *Config)
+	}{
+		{"file and env", nil, func(t *testing.T, c *Config) {
+			if c.Server != "grpc://env:2" || c.ID != "env-id" || c.LogLevel != "warn" || c.MaxConnections != 10 || c.Token != "yaml-token" {
+				t.Errorf("%+v", c)
+			}
+			if len(c.Upstreams) != 2 || c.Upstreams[0].Name != "file.example.com" || c.Upstreams[1].Name != "env.example.com" {
+				t.Errorf("upstreams %+v", c.Upstreams)
+			}
+		}},
+		{"flags override", []string{
+			"-server", "grpcs://flag:3", "-id=flag-id", "-log-level", "debug", "-max-connections", "0",
+			"-token-file", tokenFile, "-insecure",
+			"-upstream", "*=http://127.0.0.1:3", "-upstream", "listen_port=2222,target=tcp://127.0.0.1:22",
+		}, func(t *testing.T, c *Config) {
+			if tls, addr := c.ServerAddr(); !tls || addr != "flag:3" || !c.Insecure {
+				t.Errorf("server %v %q insecure %v", tls, addr, c.Insecure)
+			}
+			if c.ID != "flag-id" || c.LogLevel != "debug" || c.MaxConnections != 0 {
+				t.Errorf("%+v", c)
+			}
+			if c.Token != "file-token" || c.TokenFile != tokenFile {
+				t.Errorf("token %q file %q", c.Token, c.TokenFile)
+			}
+			var names []string
+			for _, u := range c.Upstreams {
+				names = append(names, u.Name)
+			}
+			if want := []string{"file.example.com", "env.example.com", "*", ":2222"}; !reflect.DeepEqual(names, want) {
+				t.Errorf("names %q, want %q", names, want)
+			}
+		}},
+		{"-config overrides SLUICE_CONFIG", []string{"-config", writeFile(t, "other.yaml", "token: other\nupstreams: [{target: 'http://a:1'}]\n")},
+			func(t *testing.T, c *Config) {
+				if c.Token != "other" || c.Server != "grpc://env:2" || c.MaxConnections != 0 || len(c.Upstreams) != 2 {
+					t.Errorf("%+v", c)
+				}
+			}},
+		{"-token replaces token", []string{"-token", " flag-token "}, func(t *testing.T, c *Config) {
+			if c.Token != "flag-token" {
+				t.Errorf("token %q", c.Token)
+			}
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := ParseFlags(tt.args, envFunc(env))
+			if err != nil {
+				t.Fatal(err)
+			}
+			tt.check(t, c)
+		})
+	}
+}
+
+func TestParseFlagsInsecureFalseOverridesEnv(t *testing.T) {
+	env := map[string]string{EnvServer: "grpcs://a:1", EnvToken: "t", EnvInsecure: "true", EnvUpstreams: "a=http://a:1"}
+	c, err := ParseFlags([]string{"-insecure=false"}, envFunc(env))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Insecure {
+		t.Error("insecure still set")
+	}
+}
+
+func TestParseFlagsErrors(t *testing.T) {
+	env := map[string]string{EnvServer: "grpc://a:1", EnvToken: "t"}
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want []string
+	}{
+		{"unknown flag", []string{"-bogus"}, env, []string{"flag provided but not defined: -bogus", "-h"}},
+		{"bad int", []string{"-max-connections", "x"}, env, []string{"max-connections"}},
+		{"positional", []string{"-upstream", "a=http://a:1", "extra"}, env, []string{`unexpected argument "extra"`}},
+		{"bad spec", []string{"-upstream", "host=a"}, env, []string{"-upstream: upstream spec \"host=a\": target missing"}},
+		{"validation", []string{"-upstream", "a=ftp://a:1", "-upstream", "b=http://b:1,listen_port=80"}, env,
+			[]string{`upstreams[0].target: scheme "ftp"`, "upstreams[1].listen_port: requires a tcp:// target"}},
+		{"no upstreams", nil, env, []string{"upstreams: at least one"}},
+		{"missing server", []string{"-upstream", "a=http://a:1"}, map[string]string{EnvToken: "t"}, []string{"server: required"}},
+		{"missing config file", nil, map[string]string{EnvConfig: "/nonexistent/agent.yaml"}, []string{"/nonexistent/agent.yaml"}},
+		{"bad env", []string{"-max-connections", "3"}, map[string]string{EnvMaxConnections: "x"}, []string{"SLUICE_MAX_CONNECTIONS"}},
+		{"token flags conflict", []string{"-token", "a", "-token-file", "/x", "-upstream", "a=http://a:1"}, env,
+			[]string{"token and token_file are mutually exclusive"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := ParseFlags(tt.args, envFunc(tt.env))
+			if err == nil {
+				t.Fatalf("no error, config %+v", c)
+			}
+			if c != nil {
+				t.Error("config returned with error")
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q\ndoes not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestParseFlagsHelp(t *testing.T) {
+	for _, arg := range []string{"-h", "-help", "--help"} {
+		_, err := ParseFlags([]string{arg}, envFunc(nil))
+		if !errors.Is(err, flag.ErrHelp) {
+			t.Fatalf("%s: err = %v", arg, err)
+		}
+		for _, w := range []string{
+			"Usage: sluice-agent", "-config", "-server", "-token-file", "-insecure", "-ca-file",
+			"-log-level", "-max-connections", "-upstream", "-id",
+			EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile,
+			EnvLogLevel, EnvMaxConnections, EnvUpstreams, "*=TARGET", "host=app.example.com,target=",
+		} {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: usage does not mention %q:\n%s", arg, w, err)
+			}
+		}
+	}
+}

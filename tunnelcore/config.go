@@ -1,0 +1,125 @@
+package tunnelcore
+
+import (
+	"fmt"
+
+	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// Protocol constants.
+const (
+	// InitialWindow is the receive window every connection starts with in
+	// each direction, and the part of a window never charged to a Budget.
+	InitialWindow = 64 << 10
+	// DefaultMaxWindow is the largest a receive window grows by default.
+	DefaultMaxWindow = 1 << 20
+	// DefaultMaxFrameSize is the largest DATA payload a session sends.
+	DefaultMaxFrameSize = 64 << 10
+	// DefaultSendQueue is what one connection may queue in front of the
+	// sender, outside any budget: two full frames keep the stream busy while
+	// the writer refills.
+	DefaultSendQueue = 2 * DefaultMaxFrameSize
+	// DefaultAcceptBacklog is how many opened connections may wait for Accept.
+	DefaultAcceptBacklog = 1024
+	// DefaultBudget is the budget a session makes for itself when
+	// Config.Budget is nil.
+	DefaultBudget = 64 << 20
+)
+
+// Role decides which connection ids a session allocates, so both ends may
+// open connections without colliding.
+type Role int
+
+const (
+	// RoleNode opens even connection ids (the Caddy side).
+	RoleNode Role = iota
+	// RoleAgent opens odd connection ids.
+	RoleAgent
+)
+
+// Config tunes a Session. The zero value is usable: every field has a
+// documented default that Validate fills in.
+type Config struct {
+	// Role selects the id space of connections this end opens.
+	Role Role
+
+	// PeerWindow is the receive window the peer grants each connection
+	// this end opens (Advertise.initial_window / AdvertiseAck.initial_window).
+	// Default InitialWindow; at least InitialWindow.
+	PeerWindow uint32
+
+	// MaxWindow is the largest a receive window may grow to by doubling.
+	// Default DefaultMaxWindow; at least InitialWindow.
+	MaxWindow int
+
+	// MaxFrameSize is the largest DATA payload sent. Default
+	// DefaultMaxFrameSize; between 1 KiB and 1 MiB.
+	MaxFrameSize int
+
+	// SendQueue bounds the bytes one connection queues in front of the
+	// sender. Default DefaultSendQueue; at least MaxFrameSize.
+	SendQueue int
+
+	// AcceptBacklog bounds the connections the peer opened that wait for
+	// Accept; beyond it a Connect is answered with a RESOURCE_EXHAUSTED
+	// Error. Default DefaultAcceptBacklog.
+	AcceptBacklog int
+
+	// Budget is charged for receive windows above InitialWindow. Share one
+	// Budget between all sessions of a node. Nil: the session makes its own
+	// of DefaultBudget.
+	Budget *Budget
+
+	// OnControl receives every frame that belongs to the session rather
+	// than a connection (Advertise, AdvertiseAck, MembershipUpdate, Drain,
+	// and Error with conn_id 0). It runs on the receive loop: it must not
+	// block. Nil drops them.
+	OnControl func(*tunnelpb.Frame)
+
+	// Logger receives one line per notable event (a connection failed by
+	// the peer's misbehaviour, the session's end). Default zap.NewNop().
+	Logger *zap.Logger
+}
+
+// Validate fills in defaults and reports the first invalid field.
+func (c *Config) Validate() error {
+	if c.PeerWindow == 0 {
+		c.PeerWindow = InitialWindow
+	}
+	if c.PeerWindow < InitialWindow {
+		return fmt.Errorf("tunnelcore: PeerWindow %d below the protocol minimum %d", c.PeerWindow, InitialWindow)
+	}
+	if c.MaxWindow == 0 {
+		c.MaxWindow = DefaultMaxWindow
+	}
+	if c.MaxWindow < InitialWindow || c.MaxWindow > 1<<30 {
+		return fmt.Errorf("tunnelcore: MaxWindow %d outside [%d, 1GiB]", c.MaxWindow, InitialWindow)
+	}
+	if c.MaxFrameSize == 0 {
+		c.MaxFrameSize = DefaultMaxFrameSize
+	}
+	if c.MaxFrameSize < 1<<10 || c.MaxFrameSize > 1<<20 {
+		return fmt.Errorf("tunnelcore: MaxFrameSize %d outside [1KiB, 1MiB]", c.MaxFrameSize)
+	}
+	if c.SendQueue == 0 {
+		c.SendQueue = 2 * c.MaxFrameSize
+	}
+	if c.SendQueue < c.MaxFrameSize {
+		return fmt.Errorf("tunnelcore: SendQueue %d below MaxFrameSize %d", c.SendQueue, c.MaxFrameSize)
+	}
+	if c.AcceptBacklog == 0 {
+		c.AcceptBacklog = DefaultAcceptBacklog
+	}
+	if c.AcceptBacklog < 0 {
+		return fmt.Errorf("tunnelcore: AcceptBacklog %d is negative", c.AcceptBacklog)
+	}
+	if c.Budget == nil {
+		c.Budget = NewBudget(DefaultBudget)
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	return nil
+}

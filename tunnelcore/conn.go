@@ -1,0 +1,612 @@
+package tunnelcore
+
+import (
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/mem"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// ConnectInfo describes a virtual connection as its opener announced it.
+type ConnectInfo struct {
+	// RouteKey names the route the connection was routed to.
+	RouteKey string
+	// RemoteAddr is the public client's address (host:port), if known.
+	RemoteAddr string
+	// LocalAddr is the address the public client connected to, if known.
+	LocalAddr string
+	// ServerName is the TLS SNI of a passthrough connection.
+	ServerName string
+}
+
+// Conn is one virtual connection of a Session. It is a net.Conn with
+// half-close (CloseWrite) and deadlines; Read and Write may be called
+// concurrently with each other, as on a TCP connection.
+//
+// Writes are sent only against the credit the peer granted, so a peer that
+// stops reading holds back this connection alone. Reads never block the
+// session: what arrives is buffered within the window this end granted.
+type Conn struct {
+	s    *Session
+	id   uint64
+	info ConnectInfo
+
+	readNotify  chan struct{} // data, EOF or an error arrived
+	writeNotify chan struct{} // credit arrived, the queue drained, or an error
+
+	rdl, wdl deadline
+
+	// queued is what this connection has in front of the sender. It is
+	// decremented by the sender, which does not take mu.
+	queued atomic.Int64
+
+	mu sync.Mutex
+	// receive direction
+	rq       fifo[mem.Buffer]
+	buffered int64 // bytes received and not yet consumed (including those WriteTo holds)
+	rwin     recvWindow
+	readEOF  bool  // the peer half-closed its direction
+	rerr     error // the reason reads fail once the buffer is empty
+	// send direction
+	credit      int64
+	blockedSent bool  // told the peer we ran out of credit since its last grant
+	wclosed     bool  // CloseWrite or Close queued our FIN
+	werr        error // the reason writes fail
+	closed      bool  // Close was called
+	aborted     bool  // ended by an error this end raised
+
+	// sender state, guarded by the sender's mutex
+	sq       fifo[*tunnelpb.Envelope]
+	inReady  bool
+	finished bool // no more frames will be queued; remove once sq drains
+	removed  bool
+}
+
+func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
+	return &Conn{
+		s:           s,
+		id:          id,
+		info:        info,
+		readNotify:  make(chan struct{}, 1),
+		writeNotify: make(chan struct{}, 1),
+		rdl:         makeDeadline(),
+		wdl:         makeDeadline(),
+		rwin:        newRecvWindow(InitialWindow),
+		credit:      credit,
+	}
+}
+
+func notify(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// ID returns the connection id on the wire.
+func (c *Conn) ID() uint64 { return c.id }
+
+// Info returns what the opener announced about the connection.
+func (c *Conn) Info() ConnectInfo { return c.info }
+
+// Session returns the session the connection belongs to.
+func (c *Conn) Session() *Session { return c.s }
+
+// Read implements net.Conn. After the peer's CloseWrite it returns the
+// buffered bytes, then io.EOF.
+func (c *Conn) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	for {
+		if isClosedChan(c.rdl.wait()) {
+			return 0, timeoutError{}
+		}
+		c.mu.Lock()
+		if c.rq.len() > 0 {
+			n := c.copyOutLocked(p)
+			inc := c.consumeLocked(int64(n))
+			c.mu.Unlock()
+			c.grant(inc)
+			return n, nil
+		}
+		if err := c.readStateLocked(); err != nil {
+			c.mu.Unlock()
+			return 0, err
+		}
+		c.rwin.readerWaited = true
+		c.mu.Unlock()
+		if err := c.waitRead(); err != nil {
+			return 0, err
+		}
+	}
+}
+
+// readStateLocked returns io.EOF or the read error once nothing is buffered.
+func (c *Conn) readStateLocked() error {
+	if c.readEOF {
+		return io.EOF
+	}
+	return c.rerr
+}
+
+func (c *Conn) waitRead() error {
+	select {
+	case <-c.readNotify:
+		return nil
+	case <-c.rdl.wait():
+		return timeoutError{}
+	case <-c.s.done:
+		// Re-check: the session's failure is recorded on the connection.
+		return nil
+	}
+}
+
+// copyOutLocked copies buffered bytes into p, freeing drained buffers.
+func (c *Conn) copyOutLocked(p []byte) int {
+	n := 0
+	for n < len(p) && c.rq.len() > 0 {
+		b := c.rq.items[c.rq.head]
+		data := b.ReadOnlyData()
+		m := copy(p[n:], data)
+		n += m
+		if m == len(data) {
+			c.rq.pop().Free()
+		} else {
+			c.rq.items[c.rq.head] = b.Slice(m, len(data))
+			b.Free()
+		}
+	}
+	return n
+}
+
+// consumeLocked accounts bytes the reader took and returns the credit to grant.
+func (c *Conn) consumeLocked(n int64) int64 {
+	c.buffered -= n
+	c.s.buffered.Add(-n)
+	if c.rerr != nil || c.readEOF {
+		return 0
+	}
+	return c.rwin.consume(n, c.s.cfg.Budget, int64(c.s.cfg.MaxWindow))
+}
+
+func (c *Conn) grant(inc int64) {
+	if inc <= 0 {
+		return
+	}
+	c.s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Increment: uint32(inc)},
+	}})
+}
+
+// WriteTo implements io.WriterTo: it writes received buffers to w without
+// copying them first, until EOF or an error.
+func (c *Conn) WriteTo(w io.Writer) (int64, error) {
+	var total int64
+	for {
+		bufs, err := c.takeBuffered()
+		if err == io.EOF {
+			return total, nil
+		}
+		if err != nil {
+			return total, err
+		}
+		var taken int64
+		var werr error
+		for i, b := range bufs {
+			taken += int64(b.Len())
+			if werr == nil {
+				var m int
+				m, werr = w.Write(b.ReadOnlyData())
+				total += int64(m)
+				if werr == nil && m < b.Len() {
+					werr = io.ErrShortWrite
+				}
+			}
+			b.Free()
+			bufs[i] = nil
+		}
+		// What the writer failed to take is dropped with its buffers: it is
+		// consumed either way.
+		c.mu.Lock()
+		inc := c.consumeLocked(taken)
+		c.mu.Unlock()
+		c.grant(inc)
+		if werr != nil {
+			return total, werr
+		}
+	}
+}
+
+// takeBuffered waits for data and removes every buffered buffer, leaving the
+// bytes counted as buffered until the caller consumes them.
+func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
+	for {
+		if isClosedChan(c.rdl.wait()) {
+			return nil, timeoutError{}
+		}
+		c.mu.Lock()
+		if c.rq.len() > 0 {
+			bufs := c.rq.drain()
+			c.mu.Unlock()
+			return bufs, nil
+		}
+		if err := c.readStateLocked(); err != nil {
+			c.mu.Unlock()
+			return nil, err
+		}
+		c.rwin.readerWaited = true
+		c.mu.Unlock()
+		if err := c.waitRead(); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// Write implements net.Conn. It returns once p is queued for the sender,
+// waiting for credit from the peer and room in the queue as needed.
+func (c *Conn) Write(p []byte) (int, error) {
+	total := 0
+	pool := mem.DefaultBufferPool()
+	for len(p) > 0 {
+		n, err := c.reserve(len(p))
+		if err != nil {
+			return total, err
+		}
+		buf := pool.Get(n)
+		copy(*buf, p[:n])
+		c.s.sendData(c, mem.NewBuffer(buf, pool))
+		p = p[n:]
+		total += n
+	}
+	return total, nil
+}
+
+// ReadFrom implements io.ReaderFrom: it reads from r straight into the
+// buffers it hands to the sender, sending no more than the peer's credit.
+func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
+	var total int64
+	pool := mem.DefaultBufferPool()
+	for {
+		n, err := c.reserve(c.s.cfg.MaxFrameSize)
+		if err != nil {
+			return total, err
+		}
+		buf := pool.Get(n)
+		m, rerr := r.Read(*buf)
+		if m < n {
+			c.unreserve(int64(n - m))
+		}
+		if m > 0 {
+			*buf = (*buf)[:m]
+			c.s.sendData(c, mem.NewBuffer(buf, pool))
+			total += int64(m)
+		} else {
+			pool.Put(buf)
+		}
+		if rerr == io.EOF {
+			return total, nil
+		}
+		if rerr != nil {
+			return total, rerr
+		}
+	}
+}
+
+// reserve waits until the connection may queue up to want bytes and
+// charges them against the credit and the queue.
+func (c *Conn) reserve(want int) (int, error) {
+	for {
+		if isClosedChan(c.wdl.wait()) {
+			return 0, timeoutError{}
+		}
+		c.mu.Lock()
+		if c.werr != nil {
+			err := c.werr
+			c.mu.Unlock()
+			return 0, err
+		}
+		if c.wclosed {
+			c.mu.Unlock()
+			return 0, ErrWriteClosed
+		}
+		if c.credit > 0 && c.queued.Load() < int64(c.s.cfg.SendQueue) {
+			n := int64(min(want, c.s.cfg.MaxFrameSize))
+			n = min(n, c.credit)
+			c.credit -= n
+			c.queued.Add(n)
+			c.mu.Unlock()
+			return int(n), nil
+		}
+		tellBlocked := c.credit == 0 && !c.blockedSent
+		if tellBlocked {
+			c.blockedSent = true
+		}
+		c.mu.Unlock()
+		if tellBlocked {
+			c.s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+				WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Blocked: true},
+			}})
+		}
+		select {
+		case <-c.writeNotify:
+		case <-c.wdl.wait():
+			return 0, timeoutError{}
+		case <-c.s.done:
+			c.mu.Lock()
+			err := c.werr
+			c.mu.Unlock()
+			if err == nil {
+				err = c.s.Err()
+			}
+			return 0, err
+		}
+	}
+}
+
+func (c *Conn) unreserve(n int64) {
+	c.mu.Lock()
+	c.credit += n
+	c.mu.Unlock()
+	c.queued.Add(-n)
+}
+
+// CloseWrite half-closes the connection: the peer reads EOF after the bytes
+// already written, and may still send.
+func (c *Conn) CloseWrite() error {
+	c.mu.Lock()
+	if c.werr != nil && !c.wclosed {
+		err := c.werr
+		c.mu.Unlock()
+		return err
+	}
+	if c.wclosed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.wclosed = true
+	c.mu.Unlock()
+	notify(c.writeNotify)
+	c.s.sendConnFrame(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{Close: &tunnelpb.Close{ConnId: c.id}}})
+	return nil
+}
+
+// Close implements net.Conn: bytes already written are still delivered,
+// followed by EOF; if the peer was still sending, it is told to stop.
+func (c *Conn) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	sendFIN := !c.wclosed && c.werr == nil
+	c.wclosed = true
+	cancelPeer := !c.readEOF && c.rerr == nil && c.werr == nil
+	if c.werr == nil {
+		c.werr = ErrConnClosed
+	}
+	if c.rerr == nil {
+		c.rerr = ErrConnClosed
+	}
+	c.readEOF = false // reads fail with ErrConnClosed from now on
+	c.dropBufferedLocked()
+	c.rwin.release(c.s.cfg.Budget)
+	c.mu.Unlock()
+
+	c.rdl.stop()
+	c.wdl.stop()
+	notify(c.readNotify)
+	notify(c.writeNotify)
+	if sendFIN {
+		c.s.sendConnFrame(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{Close: &tunnelpb.Close{ConnId: c.id}}})
+	}
+	if cancelPeer {
+		c.s.sendConnFrame(c, errorFrame(c.id, tunnelpb.Error_CANCELED, "connection closed"))
+	}
+	c.s.finish(c)
+	return nil
+}
+
+func (c *Conn) dropBufferedLocked() {
+	for c.rq.len() > 0 {
+		c.rq.pop().Free()
+	}
+	c.s.buffered.Add(-c.buffered)
+	c.buffered = 0
+}
+
+// Abort ends the connection at once in both directions: queued bytes are
+// dropped and the peer gets an Error frame with code and message.
+func (c *Conn) Abort(code tunnelpb.Error_Code, message string) {
+	c.fail(ErrConnClosed, code, message)
+}
+
+// fail ends the connection locally with err and tells the peer (unless
+// code is UNSPECIFIED, for failures the peer already knows about).
+func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
+	c.mu.Lock()
+	if c.aborted {
+		c.mu.Unlock()
+		return
+	}
+	c.aborted = true
+	c.setErrorsLocked(err)
+	c.closed = true
+	c.dropBufferedLocked()
+	c.mu.Unlock()
+	c.wake()
+	c.s.purge(c)
+	if code != tunnelpb.Error_UNSPECIFIED {
+		c.s.sendControl(errorFrame(c.id, code, message))
+	}
+	c.s.finish(c)
+}
+
+// setErrorsLocked records err for both directions unless they ended already.
+func (c *Conn) setErrorsLocked(err error) {
+	if c.rerr == nil {
+		c.rerr = err
+	}
+	if c.werr == nil || c.werr == ErrConnClosed {
+		c.werr = err
+	}
+	c.wclosed = true
+	c.rwin.release(c.s.cfg.Budget)
+}
+
+func (c *Conn) wake() {
+	notify(c.readNotify)
+	notify(c.writeNotify)
+}
+
+// onData is called by the receive loop with a DATA payload for c.
+func (c *Conn) onData(payload mem.BufferSlice) {
+	n := int64(payload.Len())
+	c.mu.Lock()
+	if c.closed || c.rerr != nil {
+		// Read side gone: drop, the peer was or will be told.
+		c.mu.Unlock()
+		payload.Free()
+		return
+	}
+	if c.readEOF {
+		c.mu.Unlock()
+		payload.Free()
+		c.s.cfg.Logger.Warn("tunnel peer sent data after closing its direction; connection failed",
+			zapConn(c.id))
+		c.fail(&PeerError{Code: tunnelpb.Error_PROTOCOL, Message: "data after close"}, tunnelpb.Error_PROTOCOL, "data after close")
+		return
+	}
+	if !c.rwin.receive(n) {
+		c.mu.Unlock()
+		payload.Free()
+		c.s.logFlowViolation(c.id)
+		c.fail(ErrFlowControl, tunnelpb.Error_FLOW_CONTROL, "data beyond granted credit")
+		return
+	}
+	for _, b := range payload {
+		c.rq.push(b)
+	}
+	c.buffered += n
+	c.s.buffered.Add(n)
+	c.mu.Unlock()
+	notify(c.readNotify)
+}
+
+// onPeerClose is called when the peer half-closed its direction.
+func (c *Conn) onPeerClose() {
+	c.mu.Lock()
+	if c.rerr == nil {
+		c.readEOF = true
+	}
+	c.mu.Unlock()
+	notify(c.readNotify)
+}
+
+// onPeerError is called when the peer aborted the connection.
+func (c *Conn) onPeerError(e *tunnelpb.Error) {
+	perr := &PeerError{Code: e.GetCode(), Message: e.GetMessage()}
+	c.mu.Lock()
+	if c.rerr == nil && !c.readEOF {
+		c.rerr = perr
+	}
+	if c.werr == nil || c.werr == ErrConnClosed {
+		if !c.closed {
+			c.werr = perr
+		}
+	}
+	c.wclosed = true
+	c.mu.Unlock()
+	c.wake()
+	c.s.purge(c)
+	c.s.finish(c)
+}
+
+// onWindowUpdate is called with the peer's flow control for c.
+func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
+	c.mu.Lock()
+	if u.GetBlocked() {
+		c.rwin.peerBlocked = true
+	}
+	if inc := int64(u.GetIncrement()); inc > 0 {
+		c.credit += inc
+		c.blockedSent = false
+	}
+	c.mu.Unlock()
+	if u.GetIncrement() > 0 {
+		notify(c.writeNotify)
+	}
+}
+
+// onSessionEnd fails c because its session ended with err.
+func (c *Conn) onSessionEnd(err error) {
+	c.mu.Lock()
+	if c.rerr == nil && !c.readEOF {
+		c.rerr = err
+	}
+	if c.werr == nil {
+		c.werr = err
+	}
+	c.rwin.release(c.s.cfg.Budget)
+	c.mu.Unlock()
+	c.wake()
+}
+
+// Buffered returns the bytes received and not yet read.
+func (c *Conn) Buffered() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return int(c.buffered)
+}
+
+// LocalAddr implements net.Conn.
+func (c *Conn) LocalAddr() net.Addr { return Addr{ID: c.id, Side: "local", Route: c.info.RouteKey} }
+
+// RemoteAddr implements net.Conn: the public client's address when the
+// opener announced one.
+func (c *Conn) RemoteAddr() net.Addr {
+	if a, err := net.ResolveTCPAddr("tcp", c.info.RemoteAddr); err == nil && c.info.RemoteAddr != "" {
+		return a
+	}
+	return Addr{ID: c.id, Side: "remote", Route: c.info.RouteKey}
+}
+
+// SetDeadline implements net.Conn.
+func (c *Conn) SetDeadline(t time.Time) error {
+	c.rdl.set(t)
+	c.wdl.set(t)
+	return nil
+}
+
+// SetReadDeadline implements net.Conn.
+func (c *Conn) SetReadDeadline(t time.Time) error { c.rdl.set(t); return nil }
+
+// SetWriteDeadline implements net.Conn.
+func (c *Conn) SetWriteDeadline(t time.Time) error { c.wdl.set(t); return nil }
+
+// Addr is the net.Addr of a virtual connection.
+type Addr struct {
+	ID    uint64
+	Side  string
+	Route string
+}
+
+// Network implements net.Addr.
+func (Addr) Network() string { return "sluice" }
+
+func (a Addr) String() string {
+	if a.Route != "" {
+		return a.Route + "#" + itoa(a.ID)
+	}
+	return "conn#" + itoa(a.ID)
+}
+
+func errorFrame(id uint64, code tunnelpb.Error_Code, msg string) *tunnelpb.Frame {
+	return &tunnelpb.Frame{Kind: &tunnelpb.Frame_Error{Error: &tunnelpb.Error{ConnId: id, Code: code, Message: msg}}}
+}

@@ -1,0 +1,15 @@
+// Package tunnelcore owns the sluice tunnel below any server or agent: the
+// session that multiplexes virtual connections over one frame stream (a gRPC
+// Connect stream, or an in-memory pipe in tests), the virtual connection
+// (Conn, a net.Conn with half-close and deadlines), the per-connection credit
+// windows and the node-wide Budget that bounds what windows above 64 KiB may
+// buffer, the sender that schedules control frames before connection frames
+// and connections round-robin, and the relay that copies between a Conn and a
+// real connection.
+//
+// Nothing here knows about Caddy, routes or agents: callers exchange the
+// session-level frames (Advertise, AdvertiseAck, Drain, ...) through
+// Config.OnControl and Session.SendControl.
+//
+// The wire protocol is specified in proto/README.md.
+package tunnelcore

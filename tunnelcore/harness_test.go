@@ -1,0 +1,137 @@
+package tunnelcore
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// transport makes a connected pair of frame streams; the returned cleanup
+// releases whatever the transport started.
+type transport struct {
+	name string
+	pair func(t testing.TB) (node, agent FrameStream)
+}
+
+var transports = []transport{
+	{"pipe", pipePair},
+	{"grpc", grpcPair},
+}
+
+func pipePair(t testing.TB) (FrameStream, FrameStream) {
+	a, b := Pipe(64)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	return a, b
+}
+
+// tunnelServer serves Connect by handing each stream to the test.
+type tunnelServer struct {
+	tunnelpb.UnimplementedTunnelServer
+	streams chan FrameStream
+}
+
+func (s *tunnelServer) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) error {
+	ctx, cancel := context.WithCancel(st.Context())
+	s.streams <- GRPCStream(st, cancel)
+	<-ctx.Done()
+	return nil
+}
+
+// grpcPair runs a real gRPC server on loopback and connects a client to it.
+func grpcPair(t testing.TB) (FrameStream, FrameStream) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.ForceServerCodecV2(tunnelpb.Codec{}))
+	ts := &tunnelServer{streams: make(chan FrameStream, 1)}
+	tunnelpb.RegisterTunnelServer(srv, ts)
+	go srv.Serve(lis)
+
+	cc, err := grpc.NewClient(lis.Addr().String(),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	st, err := tunnelpb.NewTunnelClient(cc).Connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := GRPCStream(st, cancel)
+	var server FrameStream
+	select {
+	case server = <-ts.streams:
+	case <-time.After(5 * time.Second):
+		t.Fatal("server never saw the stream")
+	}
+	t.Cleanup(func() {
+		cancel()
+		server.Close(nil)
+		cc.Close()
+		srv.Stop()
+	})
+	return server, client
+}
+
+// sessionPair starts a node session and an agent session on a transport.
+func sessionPair(t testing.TB, tr transport, nodeCfg, agentCfg Config) (node, agent *Session) {
+	a, b := tr.pair(t)
+	nodeCfg.Role, agentCfg.Role = RoleNode, RoleAgent
+	node, err := NewSession(a, nodeCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, err = NewSession(b, agentCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		node.Close()
+		agent.Close()
+	})
+	return node, agent
+}
+
+// forEachTransport runs body once per transport, as yamux runs its tests
+// over pipes, TCP and TLS.
+func forEachTransport(t *testing.T, body func(t *testing.T, tr transport)) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) { body(t, tr) })
+	}
+}
+
+// eventually polls cond until it holds or the deadline passes.
+func eventually(t testing.TB, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", within, what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func accept(t testing.TB, s *Session) *Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := s.Accept(ctx)
+	if err != nil {
+		t.Fatalf("accept: %v", err)
+	}
+	return c
+}

@@ -1,0 +1,75 @@
+package tunnelcore
+
+import (
+	"errors"
+	"io"
+	"net"
+	"sync"
+)
+
+// closeWriter is a connection that can half-close (TCP, TLS, Conn).
+type closeWriter interface {
+	CloseWrite() error
+}
+
+// RelayResult reports what a relay moved and why it ended.
+type RelayResult struct {
+	// AToB and BToA are the bytes copied in each direction.
+	AToB, BToA int64
+	// Err is the first error that was not a clean end of stream (nil when
+	// both directions ended with EOF).
+	Err error
+}
+
+// Relay copies bytes both ways between a and b until both directions end,
+// propagating half-closes: when one side's reader reaches EOF, the other
+// side's writer is closed with CloseWrite (or Close when it cannot
+// half-close) and the opposite direction continues. An error in either
+// direction closes both connections. Both are closed when Relay returns.
+//
+// Copies go through io.Copy, so a Conn on either side moves its buffers
+// without an extra copy (Conn implements io.ReaderFrom and io.WriterTo).
+func Relay(a, b net.Conn) RelayResult {
+	var (
+		res  RelayResult
+		once sync.Once
+		wg   sync.WaitGroup
+	)
+	abort := func(err error) {
+		once.Do(func() {
+			res.Err = err
+			a.Close()
+			b.Close()
+		})
+	}
+	pipe := func(dst, src net.Conn, n *int64) {
+		defer wg.Done()
+		var err error
+		*n, err = io.Copy(dst, src)
+		if err != nil && !isClosedErr(err) {
+			abort(err)
+			return
+		}
+		if err != nil {
+			abort(nil)
+			return
+		}
+		if cw, ok := dst.(closeWriter); ok {
+			if cerr := cw.CloseWrite(); cerr == nil {
+				return
+			}
+		}
+		abort(nil)
+	}
+	wg.Add(2)
+	go pipe(b, a, &res.AToB)
+	go pipe(a, b, &res.BToA)
+	wg.Wait()
+	a.Close()
+	b.Close()
+	return res
+}
+
+func isClosedErr(err error) bool {
+	return errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF)
+}

@@ -1,0 +1,349 @@
+package tunnelcore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// Session multiplexes virtual connections over one FrameStream. Both ends of
+// a stream run a Session; either may Open connections and the other Accepts
+// them (in sluice the node opens and the agent accepts).
+type Session struct {
+	cfg    Config
+	stream FrameStream
+	sender sender
+
+	nextID atomic.Uint64
+
+	mu    sync.Mutex
+	conns map[uint64]*Conn
+
+	accept chan *Conn
+
+	buffered atomic.Int64 // bytes received and not yet read, all connections
+
+	done      chan struct{}
+	closeOnce sync.Once
+	err       error // set before done is closed
+
+	flowLog throttle
+}
+
+// NewSession starts a session on stream. The caller has already exchanged
+// whatever handshake precedes it (Advertise/AdvertiseAck) and set
+// cfg.PeerWindow from it.
+func NewSession(stream FrameStream, cfg Config) (*Session, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Session{
+		cfg:     cfg,
+		stream:  stream,
+		conns:   make(map[uint64]*Conn),
+		accept:  make(chan *Conn, cfg.AcceptBacklog),
+		done:    make(chan struct{}),
+		flowLog: throttle{every: 10 * time.Second},
+	}
+	s.sender.init(s)
+	if cfg.Role == RoleAgent {
+		s.nextID.Store(1)
+	} else {
+		s.nextID.Store(0)
+	}
+	go s.recvLoop()
+	go s.sender.loop()
+	return s, nil
+}
+
+// Open opens a virtual connection. It does not wait for the peer: bytes
+// written at once travel behind the Connect frame, and a peer that refuses
+// the connection answers with an Error that the first Read returns.
+func (s *Session) Open(info ConnectInfo) (*Conn, error) {
+	var id uint64
+	if s.cfg.Role == RoleAgent {
+		id = s.nextID.Add(2) - 2
+	} else {
+		id = s.nextID.Add(2)
+	}
+	c := newConn(s, id, info, int64(s.cfg.PeerWindow))
+	s.mu.Lock()
+	if s.isDone() {
+		s.mu.Unlock()
+		return nil, s.Err()
+	}
+	s.conns[id] = c
+	s.mu.Unlock()
+	s.sendConnFrame(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_Connect{Connect: &tunnelpb.Connect{
+		ConnId:     id,
+		RouteKey:   info.RouteKey,
+		RemoteAddr: info.RemoteAddr,
+		LocalAddr:  info.LocalAddr,
+		ServerName: info.ServerName,
+		Window:     InitialWindow,
+	}}})
+	return c, nil
+}
+
+// Accept waits for a connection the peer opened.
+func (s *Session) Accept(ctx context.Context) (*Conn, error) {
+	select {
+	case c := <-s.accept:
+		return c, nil
+	case <-s.done:
+		return nil, s.Err()
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// SendControl queues a session-level frame (Advertise, AdvertiseAck, Drain,
+// ...) ahead of every connection frame.
+func (s *Session) SendControl(f *tunnelpb.Frame) error {
+	if s.isDone() {
+		return s.Err()
+	}
+	s.sendControl(f)
+	return nil
+}
+
+// Done is closed when the session has ended.
+func (s *Session) Done() <-chan struct{} { return s.done }
+
+// Err returns why the session ended (wrapping ErrSessionClosed), or nil
+// while it runs.
+func (s *Session) Err() error {
+	select {
+	case <-s.done:
+		return s.err
+	default:
+		return nil
+	}
+}
+
+func (s *Session) isDone() bool { return isClosedChan(s.done) }
+
+// Close ends the session and fails every open connection.
+func (s *Session) Close() error {
+	s.CloseWithError(errors.New("closed locally"))
+	return nil
+}
+
+// CloseWithError ends the session with cause, which every open connection's
+// error wraps together with ErrSessionClosed.
+func (s *Session) CloseWithError(cause error) {
+	s.closeOnce.Do(func() {
+		s.err = &sessionError{cause: cause}
+		s.mu.Lock()
+		close(s.done)
+		conns := make([]*Conn, 0, len(s.conns))
+		for _, c := range s.conns {
+			conns = append(conns, c)
+		}
+		s.mu.Unlock()
+		s.stream.Close(cause)
+		s.sender.shutdown()
+		for _, c := range conns {
+			c.onSessionEnd(s.err)
+		}
+		s.drainAccept()
+		if !errors.Is(cause, context.Canceled) {
+			s.cfg.Logger.Debug("tunnel session ended", zap.Error(cause), zap.Int("connections", len(conns)))
+		}
+	})
+}
+
+// drainAccept fails connections that were opened but never accepted.
+func (s *Session) drainAccept() {
+	for {
+		select {
+		case c := <-s.accept:
+			c.onSessionEnd(s.err)
+		default:
+			return
+		}
+	}
+}
+
+// Stats is a snapshot of what a session holds.
+type Stats struct {
+	// Conns is the number of connections in the session's table.
+	Conns int
+	// Buffered is the bytes received and not yet read, all connections.
+	Buffered int64
+	// Queued is the bytes of DATA waiting in front of the sender.
+	Queued int64
+}
+
+// Stats returns what the session holds now.
+func (s *Session) Stats() Stats {
+	s.mu.Lock()
+	n := len(s.conns)
+	var queued int64
+	for _, c := range s.conns {
+		queued += c.queued.Load()
+	}
+	s.mu.Unlock()
+	return Stats{Conns: n, Buffered: s.buffered.Load(), Queued: queued}
+}
+
+// NumConns returns the number of open connections.
+func (s *Session) NumConns() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
+}
+
+func (s *Session) lookup(id uint64) *Conn {
+	s.mu.Lock()
+	c := s.conns[id]
+	s.mu.Unlock()
+	return c
+}
+
+func (s *Session) removeConn(c *Conn) {
+	s.mu.Lock()
+	if s.conns[c.id] == c {
+		delete(s.conns, c.id)
+	}
+	s.mu.Unlock()
+}
+
+func (s *Session) recvLoop() {
+	for {
+		env := &tunnelpb.Envelope{}
+		if err := s.stream.Recv(env); err != nil {
+			env.Payload.Free()
+			s.CloseWithError(err)
+			return
+		}
+		if s.isDone() {
+			env.Payload.Free()
+			return
+		}
+		s.dispatch(env)
+	}
+}
+
+func (s *Session) dispatch(env *tunnelpb.Envelope) {
+	if env.IsData() {
+		if c := s.lookup(env.ConnID); c != nil {
+			c.onData(env.Payload)
+		} else {
+			env.Payload.Free() // late data for a connection already gone
+		}
+		return
+	}
+	f := env.Frame
+	switch k := f.Kind.(type) {
+	case *tunnelpb.Frame_Connect:
+		s.onConnect(k.Connect)
+	case *tunnelpb.Frame_Close:
+		if c := s.lookup(k.Close.GetConnId()); c != nil {
+			c.onPeerClose()
+		}
+	case *tunnelpb.Frame_WindowUpdate:
+		if c := s.lookup(k.WindowUpdate.GetConnId()); c != nil {
+			c.onWindowUpdate(k.WindowUpdate)
+		}
+	case *tunnelpb.Frame_Error:
+		if k.Error.GetConnId() == 0 {
+			s.control(f)
+			return
+		}
+		if c := s.lookup(k.Error.GetConnId()); c != nil {
+			c.onPeerError(k.Error)
+		}
+	default:
+		s.control(f)
+	}
+}
+
+func (s *Session) control(f *tunnelpb.Frame) {
+	if s.cfg.OnControl != nil {
+		s.cfg.OnControl(f)
+	}
+}
+
+// onConnect accepts a connection the peer opened, or refuses it with an Error.
+func (s *Session) onConnect(m *tunnelpb.Connect) {
+	id := m.GetConnId()
+	peerParity := uint64(1)
+	if s.cfg.Role == RoleAgent {
+		peerParity = 0
+	}
+	if id == 0 || id%2 != peerParity {
+		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d is not in the opener's id space", id))
+		return
+	}
+	if m.GetWindow() < InitialWindow {
+		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connect window %d below the protocol minimum %d", m.GetWindow(), InitialWindow))
+		return
+	}
+	c := newConn(s, id, ConnectInfo{
+		RouteKey:   m.GetRouteKey(),
+		RemoteAddr: m.GetRemoteAddr(),
+		LocalAddr:  m.GetLocalAddr(),
+		ServerName: m.GetServerName(),
+	}, int64(m.GetWindow()))
+	s.mu.Lock()
+	if _, dup := s.conns[id]; dup {
+		s.mu.Unlock()
+		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d already open", id))
+		return
+	}
+	s.conns[id] = c
+	s.mu.Unlock()
+	select {
+	case s.accept <- c:
+	default:
+		c.fail(ErrBacklogFull, tunnelpb.Error_RESOURCE_EXHAUSTED, "accept backlog full")
+	}
+}
+
+func (s *Session) refuse(id uint64, code tunnelpb.Error_Code, msg string) {
+	s.cfg.Logger.Warn("tunnel connect refused", zapConn(id), zap.String("reason", msg))
+	s.sendControl(errorFrame(id, code, msg))
+}
+
+func (s *Session) logFlowViolation(id uint64) {
+	if ok, suppressed := s.flowLog.allow(); ok {
+		s.cfg.Logger.Warn("tunnel peer sent beyond its credit; connection failed",
+			zapConn(id), zap.Int("suppressed", suppressed))
+	}
+}
+
+func zapConn(id uint64) zap.Field { return zap.Uint64("conn_id", id) }
+
+func itoa(v uint64) string { return strconv.FormatUint(v, 10) }
+
+// throttle allows one event per period and counts the ones it suppressed.
+type throttle struct {
+	every time.Duration
+
+	mu         sync.Mutex
+	last       time.Time
+	suppressed int
+}
+
+func (t *throttle) allow() (bool, int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := time.Now()
+	if !t.last.IsZero() && now.Sub(t.last) < t.every {
+		t.suppressed++
+		return false, 0
+	}
+	n := t.suppressed
+	t.suppressed = 0
+	t.last = now
+	return true, n
+}
