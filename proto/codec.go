@@ -115,7 +115,6 @@ func (Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	}
 }
 
-
 func unmarshalEnvelope(data mem.BufferSlice, e *Envelope) error {
 	*e = Envelope{}
 	if connID, start, n, ok := parseDataFrame(data); ok {
@@ -228,4 +227,3 @@ func sliceRange(data mem.BufferSlice, start, n int) mem.BufferSlice {
 	}
 	return out
 }
-

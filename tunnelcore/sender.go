@@ -24,7 +24,6 @@ type sender struct {
 	closed bool
 }
 
-
 func (q *sender) init(s *Session) {
 	q.s = s
 	q.wake = make(chan struct{}, 1)
