@@ -252,7 +252,7 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 // waiting for credit from the peer and room in the queue as needed.
 func (c *Conn) Write(p []byte) (int, error) {
 	total := 0
-	pool := mem.DefaultBufferPool()
+	pool := bufferPool
 	for len(p) > 0 {
 		n, err := c.reserve(len(p))
 		if err != nil {
@@ -271,7 +271,7 @@ func (c *Conn) Write(p []byte) (int, error) {
 // buffers it hands to the sender, sending no more than the peer's credit.
 func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	var total int64
-	pool := mem.DefaultBufferPool()
+	pool := bufferPool
 	for {
 		n, err := c.reserve(c.s.cfg.MaxFrameSize)
 		if err != nil {

@@ -3,12 +3,15 @@ package tunnelcore
 import (
 	"context"
 	"net"
+	"os"
+	"strconv"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/experimental"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
@@ -54,14 +57,15 @@ func grpcPair(t testing.TB) (FrameStream, FrameStream) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := grpc.NewServer(grpc.ForceServerCodecV2(tunnelpb.Codec{}))
+	srv := grpc.NewServer(append(benchServerOpts(), grpc.ForceServerCodecV2(tunnelpb.Codec{}), experimental.BufferPool(BufferPool()))...)
 	ts := &tunnelServer{streams: make(chan FrameStream, 1)}
 	tunnelpb.RegisterTunnelServer(srv, ts)
 	go srv.Serve(lis)
 
-	cc, err := grpc.NewClient(lis.Addr().String(),
+	cc, err := grpc.NewClient(lis.Addr().String(), append(benchDialOpts(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
+		experimental.WithBufferPool(BufferPool()))...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,4 +138,31 @@ func accept(t testing.TB, s *Session) *Conn {
 		t.Fatalf("accept: %v", err)
 	}
 	return c
+}
+
+func envInt(name string) int {
+	v, _ := strconv.Atoi(os.Getenv(name))
+	return v
+}
+
+func benchServerOpts() []grpc.ServerOption {
+	var o []grpc.ServerOption
+	if n := envInt("WB"); n > 0 {
+		o = append(o, grpc.WriteBufferSize(n), grpc.ReadBufferSize(n))
+	}
+	if n := envInt("WIN"); n > 0 {
+		o = append(o, grpc.InitialWindowSize(int32(n)), grpc.InitialConnWindowSize(int32(n)))
+	}
+	return o
+}
+
+func benchDialOpts() []grpc.DialOption {
+	var o []grpc.DialOption
+	if n := envInt("WB"); n > 0 {
+		o = append(o, grpc.WithWriteBufferSize(n), grpc.WithReadBufferSize(n))
+	}
+	if n := envInt("WIN"); n > 0 {
+		o = append(o, grpc.WithInitialWindowSize(int32(n)), grpc.WithInitialConnWindowSize(int32(n)))
+	}
+	return o
 }

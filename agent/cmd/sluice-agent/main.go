@@ -1,0 +1,92 @@
+// Command sluice-agent exposes local services through a sluice node: it dials
+// out to the node over gRPC and serves the connections the node opens by
+// dialing its configured upstreams. Run with -h for the flags.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/sluice-tunnel/sluice/agent"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:]))
+}
+
+func run(args []string) int {
+	for _, a := range args {
+		if a == "--" {
+			break
+		}
+		if a == "-version" || a == "--version" {
+			fmt.Println(agent.BuildString())
+			return 0
+		}
+	}
+	cfg, err := agent.ParseFlags(args, os.Getenv)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Println(err.Error())
+		fmt.Println("\n  -version\n    \tprint the version and exit")
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "sluice-agent: %v\n", err)
+		return 2
+	}
+
+	logger, err := newLogger(cfg.ZapLevel())
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "sluice-agent: logger: %v\n", err)
+		return 1
+	}
+	defer logger.Sync() //nolint:errcheck // stderr
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	runDone := make(chan struct{})
+	logged := make(chan struct{})
+	go func() {
+		defer close(logged)
+		select {
+		case <-ctx.Done():
+			logger.Info("shutting down")
+		case <-runDone:
+			if ctx.Err() != nil { // signal raced with Run's return
+				logger.Info("shutting down")
+			}
+		}
+	}()
+
+	logger.Info("starting", zap.String("build", agent.BuildString()), zap.String("agent_id", cfg.ID),
+		zap.String("server", cfg.Server), zap.Int("upstreams", len(cfg.Upstreams)))
+	err = agent.Run(ctx, cfg, logger)
+	close(runDone)
+	<-logged
+	if err != nil {
+		logger.Error("agent failed", zap.Error(err))
+		return 1
+	}
+	return 0
+}
+
+// newLogger logs human-readable lines to stderr, like Caddy's console logs.
+func newLogger(level zapcore.Level) (*zap.Logger, error) {
+	zc := zap.NewProductionConfig()
+	zc.Encoding = "console"
+	zc.Level = zap.NewAtomicLevelAt(level)
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	zc.EncoderConfig.EncodeLevel = zapcore.CapitalLevelEncoder
+	zc.DisableStacktrace = true
+	zc.OutputPaths = []string{"stderr"}
+	zc.ErrorOutputPaths = []string{"stderr"}
+	return zc.Build()
+}

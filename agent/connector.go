@@ -1,0 +1,304 @@
+package agent
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+// Connector defaults.
+const (
+	// DefaultMaxConnections is the connection limit when
+	// Config.MaxConnections is 0.
+	DefaultMaxConnections = 10000
+	// upstreamDialTimeout bounds the dial (and TLS handshake) to an upstream.
+	upstreamDialTimeout = 10 * time.Second
+	// dialLogEvery rate-limits dial failure lines, per upstream.
+	dialLogEvery = 10 * time.Second
+)
+
+// connector serves the virtual connections the node opens: it finds the
+// upstream by route key, dials it and relays.
+type connector struct {
+	log         *zap.Logger
+	upstreams   map[string]*upstream
+	maxConns    int64
+	dialTimeout time.Duration
+
+	mu     sync.Mutex
+	active int64
+	wg     sync.WaitGroup
+}
+
+// upstream is an Upstream prepared for dialing.
+type upstream struct {
+	cfg      Upstream
+	scheme   string // http, https or tcp
+	hostport string
+	tls      *tls.Config // https targets
+	dialLog  throttle
+}
+
+func newConnector(cfg *Config, log *zap.Logger) *connector {
+	c := &connector{
+		log:         log,
+		upstreams:   make(map[string]*upstream, len(cfg.Upstreams)),
+		maxConns:    int64(cfg.MaxConnections),
+		dialTimeout: upstreamDialTimeout,
+	}
+	if c.maxConns == 0 {
+		c.maxConns = DefaultMaxConnections
+	}
+	for _, u := range cfg.Upstreams {
+		scheme, hostport := u.TargetURL()
+		up := &upstream{cfg: u, scheme: scheme, hostport: hostport, dialLog: throttle{every: dialLogEvery}}
+		if scheme == "https" {
+			up.tls = &tls.Config{
+				ServerName:         upstreamServerName(u.RewriteHost, hostport),
+				InsecureSkipVerify: u.InsecureSkipVerify,
+				NextProtos:         []string{"http/1.1"},
+				MinVersion:         tls.VersionTLS12,
+			}
+		}
+		c.upstreams[u.Name] = up
+	}
+	return c
+}
+
+// upstreamServerName is the TLS server name for an https target: the
+// rewrite host when set, else the target's host, without port.
+func upstreamServerName(rewriteHost, hostport string) string {
+	h := rewriteHost
+	if h == "" {
+		h = hostport
+	}
+	if host, _, err := net.SplitHostPort(h); err == nil {
+		return host
+	}
+	return h
+}
+
+// serve takes ownership of conn: it refuses it or relays it in a goroutine
+// of its own. ctx bounds the dial.
+func (c *connector) serve(ctx context.Context, conn *tunnelcore.Conn) {
+	key := conn.Info().RouteKey
+	up := c.upstreams[key]
+	if up == nil {
+		c.log.Debug("connection for an unknown route refused", zap.String("route", key), zap.Uint64("conn_id", conn.ID()))
+		conn.Abort(tunnelpb.Error_REFUSED, fmt.Sprintf("route %s not served by this agent", key))
+		return
+	}
+	c.mu.Lock()
+	if c.active >= c.maxConns {
+		c.mu.Unlock()
+		c.log.Debug("connection limit reached; connection refused", zap.String("route", key), zap.Int64("max_connections", c.maxConns))
+		conn.Abort(tunnelpb.Error_RESOURCE_EXHAUSTED, "agent connection limit reached")
+		return
+	}
+	c.active++
+	c.wg.Add(1)
+	c.mu.Unlock()
+	go func() {
+		defer func() {
+			c.mu.Lock()
+			c.active--
+			c.mu.Unlock()
+			c.wg.Done()
+		}()
+		c.handle(ctx, conn, up)
+	}()
+}
+
+// Active returns the number of connections being dialed or relayed.
+func (c *connector) Active() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return int(c.active)
+}
+
+// wait waits up to d for every handler to finish; it reports whether they did.
+func (c *connector) wait(d time.Duration) bool {
+	done := make(chan struct{})
+	go func() {
+		c.wg.Wait()
+		close(done)
+	}()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstream) {
+	info := conn.Info()
+	target := up.cfg.Target
+	uc, err := c.dial(ctx, up)
+	if err != nil {
+		if ok, suppressed := up.dialLog.allow(); ok {
+			c.log.Warn("upstream dial failed",
+				zap.String("route", up.cfg.Name), zap.String("target", target),
+				zap.Error(err), zap.Int("suppressed", suppressed))
+		}
+		conn.Abort(tunnelpb.Error_DIAL_FAILED, fmt.Sprintf("dial %s: %v", target, err))
+		return
+	}
+	if v := up.cfg.ProxyProtocol; v != "" {
+		var hdr []byte
+		if v == "v2" {
+			hdr = proxyHeaderV2(info.RemoteAddr, info.LocalAddr)
+		} else {
+			hdr = proxyHeaderV1(info.RemoteAddr, info.LocalAddr)
+		}
+		uc.SetWriteDeadline(time.Now().Add(c.dialTimeout))
+		_, err := uc.Write(hdr)
+		uc.SetWriteDeadline(time.Time{})
+		if err != nil {
+			uc.Close()
+			if ok, suppressed := up.dialLog.allow(); ok {
+				c.log.Warn("upstream PROXY header failed",
+					zap.String("route", up.cfg.Name), zap.String("target", target),
+					zap.Error(err), zap.Int("suppressed", suppressed))
+			}
+			conn.Abort(tunnelpb.Error_DIAL_FAILED, fmt.Sprintf("dial %s: PROXY header: %v", target, err))
+			return
+		}
+	}
+	res := tunnelcore.Relay(uc, conn)
+	c.log.Debug("connection relayed",
+		zap.String("route", up.cfg.Name), zap.Uint64("conn_id", conn.ID()),
+		zap.String("remote_addr", info.RemoteAddr),
+		zap.Int64("to_upstream", res.BToA), zap.Int64("from_upstream", res.AToB),
+		zap.NamedError("relay_error", res.Err))
+}
+
+// dial connects to the upstream: plain TCP for tcp:// and http://, TLS for
+// https://.
+func (c *connector) dial(ctx context.Context, up *upstream) (net.Conn, error) {
+	nd := &net.Dialer{Timeout: c.dialTimeout}
+	if up.scheme == "https" {
+		td := &tls.Dialer{NetDialer: nd, Config: up.tls}
+		return td.DialContext(ctx, "tcp", up.hostport)
+	}
+	return nd.DialContext(ctx, "tcp", up.hostport)
+}
+
+// parseAddrPort parses host:port as an IP address and port; ok is false
+// for an empty or unparseable address (or a host name).
+func parseAddrPort(s string) (netip.AddrPort, bool) {
+	if s == "" {
+		return netip.AddrPort{}, false
+	}
+	ap, err := netip.ParseAddrPort(s)
+	if err != nil {
+		return netip.AddrPort{}, false
+	}
+	return netip.AddrPortFrom(ap.Addr().Unmap().WithZone(""), ap.Port()), true
+}
+
+// proxyAddrs resolves the PROXY header's source and destination. The source
+// is required; a missing or unparseable destination becomes the unspecified
+// address of the source's family, so the client address is never lost. Mixed
+// families are both written as IPv6 (IPv4-mapped).
+func proxyAddrs(src, dst string) (s, d netip.AddrPort, v4, ok bool) {
+	s, ok = parseAddrPort(src)
+	if !ok {
+		return s, d, false, false
+	}
+	d, dok := parseAddrPort(dst)
+	if !dok {
+		if s.Addr().Is4() {
+			d = netip.AddrPortFrom(netip.IPv4Unspecified(), 0)
+		} else {
+			d = netip.AddrPortFrom(netip.IPv6Unspecified(), 0)
+		}
+	}
+	if s.Addr().Is4() && d.Addr().Is4() {
+		return s, d, true, true
+	}
+	s = netip.AddrPortFrom(netip.AddrFrom16(s.Addr().As16()), s.Port())
+	d = netip.AddrPortFrom(netip.AddrFrom16(d.Addr().As16()), d.Port())
+	return s, d, false, true
+}
+
+// proxyHeaderV1 returns a PROXY protocol v1 (text) header.
+func proxyHeaderV1(src, dst string) []byte {
+	s, d, v4, ok := proxyAddrs(src, dst)
+	if !ok {
+		return []byte("PROXY UNKNOWN\r\n")
+	}
+	fam := "TCP6"
+	if v4 {
+		fam = "TCP4"
+	}
+	return []byte("PROXY " + fam + " " + s.Addr().String() + " " + d.Addr().String() + " " +
+		strconv.Itoa(int(s.Port())) + " " + strconv.Itoa(int(d.Port())) + "\r\n")
+}
+
+// proxyV2Signature starts every PROXY protocol v2 header.
+var proxyV2Signature = []byte("\r\n\r\n\x00\r\nQUIT\n")
+
+// proxyHeaderV2 returns a PROXY protocol v2 (binary) header: command PROXY
+// over TCP4/TCP6, or LOCAL when the source is unknown.
+func proxyHeaderV2(src, dst string) []byte {
+	hdr := make([]byte, 0, 16+36)
+	hdr = append(hdr, proxyV2Signature...)
+	s, d, v4, ok := proxyAddrs(src, dst)
+	if !ok {
+		// version 2, command LOCAL; family UNSPEC; no addresses
+		return append(hdr, 0x20, 0x00, 0x00, 0x00)
+	}
+	hdr = append(hdr, 0x21) // version 2, command PROXY
+	if v4 {
+		hdr = append(hdr, 0x11) // AF_INET, STREAM
+		hdr = binary.BigEndian.AppendUint16(hdr, 12)
+		a, b := s.Addr().As4(), d.Addr().As4()
+		hdr = append(hdr, a[:]...)
+		hdr = append(hdr, b[:]...)
+	} else {
+		hdr = append(hdr, 0x21) // AF_INET6, STREAM
+		hdr = binary.BigEndian.AppendUint16(hdr, 36)
+		a, b := s.Addr().As16(), d.Addr().As16()
+		hdr = append(hdr, a[:]...)
+		hdr = append(hdr, b[:]...)
+	}
+	hdr = binary.BigEndian.AppendUint16(hdr, s.Port())
+	return binary.BigEndian.AppendUint16(hdr, d.Port())
+}
+
+// throttle allows one event per period and counts the ones it suppressed.
+type throttle struct {
+	every time.Duration
+
+	mu         sync.Mutex
+	last       time.Time
+	suppressed int
+}
+
+func (t *throttle) allow() (bool, int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := time.Now()
+	if !t.last.IsZero() && now.Sub(t.last) < t.every {
+		t.suppressed++
+		return false, 0
+	}
+	n := t.suppressed
+	t.suppressed = 0
+	t.last = now
+	return true, n
+}

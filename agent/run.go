@@ -1,0 +1,636 @@
+package agent
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+// Version is the agent's version, reported in Advertise.build. Release
+// builds set it with -ldflags "-X github.com/sluice-tunnel/sluice/agent.Version=v1.2.3";
+// otherwise it is the module version from the build info, or "devel".
+var Version = ""
+
+// BuildString returns "sluice-agent <version> (<go version>)".
+func BuildString() string {
+	v := Version
+	if v == "" {
+		v = "devel"
+		if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+			v = bi.Main.Version
+		}
+	}
+	return "sluice-agent " + v + " (" + runtime.Version() + ")"
+}
+
+// Timeouts of the session handshake and shutdown.
+const (
+	// ackTimeout bounds the wait for the node's AdvertiseAck.
+	ackTimeout = 10 * time.Second
+	// shutdownWait bounds how long Run waits for connection handlers.
+	shutdownWait = 5 * time.Second
+	// drainMargin is how long after a Drain's grace period the agent waits
+	// for the node to end the session before ending it itself.
+	drainMargin = 5 * time.Second
+	// recvErrWait bounds the wait for the stream's final status after the
+	// session ended on a send error.
+	recvErrWait = 2 * time.Second
+)
+
+// State is where an Agent is in its connection cycle.
+type State int32
+
+const (
+	// StateIdle: Run has not been called.
+	StateIdle State = iota
+	// StateConnecting: dialing the node and waiting for its AdvertiseAck.
+	StateConnecting
+	// StateConnected: the node acknowledged the Advertise; connections are served.
+	StateConnected
+	// StateRetrying: the last session ended or failed; waiting for the backoff.
+	StateRetrying
+	// StateStopped: Run returned.
+	StateStopped
+)
+
+func (s State) String() string {
+	switch s {
+	case StateIdle:
+		return "idle"
+	case StateConnecting:
+		return "connecting"
+	case StateConnected:
+		return "connected"
+	case StateRetrying:
+		return "retrying"
+	case StateStopped:
+		return "stopped"
+	}
+	return fmt.Sprintf("State(%d)", int32(s))
+}
+
+// Option tunes an Agent beyond its Config.
+type Option func(*Agent)
+
+// WithBackoff sets the reconnect backoff: the ceiling starts at initial and
+// doubles up to max; each wait is drawn from [ceiling/2, ceiling]. The
+// default is 1 s doubling to 30 s. Meant for tests.
+func WithBackoff(initial, max time.Duration) Option {
+	return func(a *Agent) { a.backoffInitial, a.backoffMax = initial, max }
+}
+
+// Agent keeps one session to a sluice node: it connects, advertises its
+// upstreams, serves the connections the node opens, and reconnects with
+// backoff whenever the session ends.
+type Agent struct {
+	cfg   *Config
+	log   *zap.Logger
+	creds credentials.TransportCredentials
+	conn  *connector
+
+	backoffInitial, backoffMax time.Duration
+	ackTimeout                 time.Duration
+	drainMargin                time.Duration
+
+	running atomic.Bool
+	state   atomic.Int32
+
+	mu        sync.Mutex
+	connected chan struct{} // closed while connected; replaced on disconnect
+	nodeID    string
+}
+
+// New prepares an agent for cfg, which it validates (Validate fills in
+// defaults such as the id). It fails on an invalid configuration, such as
+// an unreadable CA file. A nil logger logs nothing.
+func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
+	if cfg == nil {
+		return nil, errors.New("agent: nil config")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = zap.NewNop()
+	}
+	a := &Agent{
+		cfg:            cfg,
+		log:            logger,
+		backoffInitial: defaultBackoffInitial,
+		backoffMax:     defaultBackoffMax,
+		ackTimeout:     ackTimeout,
+		drainMargin:    drainMargin,
+		connected:      make(chan struct{}),
+	}
+	for _, o := range opts {
+		o(a)
+	}
+	creds, err := transportCredentials(cfg)
+	if err != nil {
+		return nil, err
+	}
+	a.creds = creds
+	a.conn = newConnector(cfg, logger)
+	return a, nil
+}
+
+// transportCredentials builds the gRPC credentials for cfg.Server.
+func transportCredentials(cfg *Config) (credentials.TransportCredentials, error) {
+	useTLS, hostport := cfg.ServerAddr()
+	if !useTLS {
+		return insecure.NewCredentials(), nil
+	}
+	host, _, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return nil, fmt.Errorf("server: %v", err)
+	}
+	tc := &tls.Config{
+		ServerName:         host,
+		InsecureSkipVerify: cfg.Insecure,
+		MinVersion:         tls.VersionTLS12,
+	}
+	if cfg.CAFile != "" {
+		pem, err := os.ReadFile(cfg.CAFile)
+		if err != nil {
+			return nil, fmt.Errorf("ca_file: %v", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("ca_file: %s: no PEM certificate found", cfg.CAFile)
+		}
+		tc.RootCAs = pool
+	}
+	return credentials.NewTLS(tc), nil
+}
+
+// Run runs the agent with cfg until ctx is cancelled; see Agent.Run.
+func Run(ctx context.Context, cfg *Config, logger *zap.Logger) error {
+	a, err := New(cfg, logger)
+	if err != nil {
+		return err
+	}
+	return a.Run(ctx)
+}
+
+// State returns where the agent is in its connection cycle.
+func (a *Agent) State() State { return State(a.state.Load()) }
+
+// Connected returns a channel that is closed once the agent is connected
+// (the node acknowledged its Advertise). After a disconnect, later calls
+// return a new channel.
+func (a *Agent) Connected() <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.connected
+}
+
+// WaitConnected waits until the agent is connected or ctx is done.
+func (a *Agent) WaitConnected(ctx context.Context) error {
+	select {
+	case <-a.Connected():
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// NodeID returns the id of the node of the current session, or "" while
+// not connected.
+func (a *Agent) NodeID() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.nodeID
+}
+
+// ActiveConns returns the number of connections being dialed or relayed.
+func (a *Agent) ActiveConns() int { return a.conn.Active() }
+
+func (a *Agent) setState(s State) { a.state.Store(int32(s)) }
+
+func (a *Agent) markConnected(nodeID string) {
+	a.mu.Lock()
+	a.nodeID = nodeID
+	select {
+	case <-a.connected:
+	default:
+		close(a.connected)
+	}
+	a.mu.Unlock()
+	a.setState(StateConnected)
+}
+
+func (a *Agent) markDisconnected(next State) {
+	a.mu.Lock()
+	a.nodeID = ""
+	select {
+	case <-a.connected:
+		a.connected = make(chan struct{})
+	default:
+	}
+	a.mu.Unlock()
+	a.setState(next)
+}
+
+// Run connects to the node and serves it until ctx is cancelled,
+// reconnecting with jittered exponential backoff whenever the session ends.
+// It returns nil after ctx is cancelled, once the session is closed and the
+// connection handlers finished (waiting at most 5 s for them). An Agent runs
+// once.
+func (a *Agent) Run(ctx context.Context) error {
+	if !a.running.CompareAndSwap(false, true) {
+		return errors.New("agent: Run called twice")
+	}
+	defer func() {
+		a.markDisconnected(StateStopped)
+		if !a.conn.wait(shutdownWait) {
+			a.log.Warn("connections still open at shutdown", zap.Int("connections", a.conn.Active()))
+		}
+		a.log.Info("agent stopped")
+	}()
+
+	bo := newBackoff(a.backoffInitial, a.backoffMax, nil)
+	announce := true // log "connecting" at info (first attempt, or after a session)
+	for ctx.Err() == nil {
+		a.setState(StateConnecting)
+		lvl := a.log.Debug
+		if announce {
+			lvl = a.log.Info
+		}
+		lvl("connecting", zap.String("server", a.cfg.Server), zap.String("agent_id", a.cfg.ID))
+
+		r := a.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if r.connected {
+			bo.Reset()
+		}
+		announce = r.connected
+		wait := bo.Next()
+		a.markDisconnected(StateRetrying)
+		a.logEnd(r, wait)
+
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+	return nil
+}
+
+// sessionResult is how one session attempt ended.
+type sessionResult struct {
+	connected bool          // the node acknowledged the Advertise
+	drained   bool          // the node sent Drain
+	err       error         // why it ended
+	uptime    time.Duration // how long it was connected
+}
+
+// logEnd logs the end of a session attempt and the coming retry.
+func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
+	code, msg := statusOf(r.err)
+	fields := []zap.Field{
+		zap.String("server", a.cfg.Server),
+		zap.String("reason", msg),
+		zap.Duration("retry_in", wait.Round(time.Millisecond)),
+	}
+	if code != codes.OK && code != codes.Unknown {
+		fields = append(fields, zap.String("code", code.String()))
+	}
+	if r.connected {
+		fields = append(fields, zap.Duration("connected_for", r.uptime.Round(time.Millisecond)))
+	}
+	switch {
+	case code == codes.Unauthenticated || code == codes.PermissionDenied:
+		a.log.Error("authentication failed; retrying", fields...)
+	case r.drained:
+		a.log.Info("disconnected: node drained; reconnecting", fields...)
+	case r.connected:
+		a.log.Warn("disconnected; reconnecting", fields...)
+	default:
+		a.log.Warn("connection failed; retrying", fields...)
+	}
+}
+
+// statusOf extracts the gRPC status from err (possibly wrapped by the
+// session), or codes.Unknown and err's text.
+func statusOf(err error) (codes.Code, string) {
+	if err == nil {
+		return codes.OK, "session ended"
+	}
+	var se interface{ GRPCStatus() *status.Status }
+	if errors.As(err, &se) {
+		if st := se.GRPCStatus(); st != nil && st.Code() != codes.OK {
+			return st.Code(), st.Message()
+		}
+	}
+	if errors.Is(err, io.EOF) {
+		return codes.Unknown, "node ended the session"
+	}
+	return codes.Unknown, err.Error()
+}
+
+// recordingStream remembers the first error RecvMsg returns: a client
+// stream's SendMsg reports only io.EOF when the server ended the stream,
+// and the status (e.g. Unauthenticated) is what RecvMsg returns.
+type recordingStream struct {
+	grpc.BidiStreamingClient[tunnelpb.Frame, tunnelpb.Frame]
+	once     sync.Once
+	recvErr  error
+	recvDone chan struct{}
+}
+
+func (r *recordingStream) RecvMsg(m any) error {
+	err := r.BidiStreamingClient.RecvMsg(m)
+	if err != nil {
+		r.once.Do(func() {
+			r.recvErr = err
+			close(r.recvDone)
+		})
+	}
+	return err
+}
+
+// dialOptions are the gRPC options of the connection to the node.
+func (a *Agent) dialOptions() []grpc.DialOption {
+	return []grpc.DialOption{
+		grpc.WithTransportCredentials(a.creds),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{
+			Time:                30 * time.Second,
+			Timeout:             10 * time.Second,
+			PermitWithoutStream: true,
+		}),
+		// The agent's own backoff paces reconnects; each session gets a
+		// fresh ClientConn, so gRPC's backoff only bounds one attempt.
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           grpcbackoff.DefaultConfig,
+			MinConnectTimeout: 10 * time.Second,
+		}),
+		grpc.WithUserAgent(BuildString()),
+	}
+}
+
+// advertise is the Advertise frame for the configured upstreams.
+func (a *Agent) advertise() *tunnelpb.Frame {
+	routes := make([]*tunnelpb.Route, 0, len(a.cfg.Upstreams))
+	for _, u := range a.cfg.Upstreams {
+		routes = append(routes, &tunnelpb.Route{
+			Name:                  u.Name,
+			Host:                  u.Host,
+			HostPattern:           u.HostPattern,
+			Target:                u.Target,
+			RewriteHost:           u.RewriteHost,
+			TlsPassthrough:        u.TLSPassthrough,
+			ListenPort:            uint32(u.ListenPort),
+			AllowedCidrs:          slices.Clone(u.AllowedCIDRs),
+			ForceHttp1:            u.ForceHTTP1,
+			VerbatimIdleTimeoutMs: uint32(u.VerbatimIdleTimeout / time.Millisecond),
+		})
+	}
+	return &tunnelpb.Frame{Kind: &tunnelpb.Frame_Advertise{Advertise: &tunnelpb.Advertise{
+		AgentId:       a.cfg.ID,
+		Build:         BuildString(),
+		Routes:        routes,
+		InitialWindow: tunnelcore.InitialWindow,
+	}}}
+}
+
+// session runs one session: dial, Advertise, wait for the Ack, serve until
+// the session ends or ctx is cancelled.
+func (a *Agent) session(ctx context.Context) (res sessionResult) {
+	_, hostport := a.cfg.ServerAddr()
+	cc, err := grpc.NewClient("dns:///"+hostport, a.dialOptions()...)
+	if err != nil {
+		return sessionResult{err: err}
+	}
+	defer cc.Close()
+
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sctx = metadata.AppendToOutgoingContext(sctx,
+		"authorization", "Bearer "+a.cfg.Token,
+		"x-sluice-id", a.cfg.ID)
+	st, err := tunnelpb.NewTunnelClient(cc).Connect(sctx)
+	if err != nil {
+		return sessionResult{err: err}
+	}
+	rs := &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
+
+	acks := make(chan *tunnelpb.AdvertiseAck, 8)
+	var drained atomic.Bool
+	drainCh := make(chan time.Duration, 1)
+	onControl := func(f *tunnelpb.Frame) {
+		switch k := f.Kind.(type) {
+		case *tunnelpb.Frame_AdvertiseAck:
+			select {
+			case acks <- k.AdvertiseAck:
+			default:
+				a.log.Warn("AdvertiseAck dropped: too many unprocessed acks")
+			}
+		case *tunnelpb.Frame_Drain:
+			if drained.CompareAndSwap(false, true) {
+				grace := time.Duration(k.Drain.GetGraceMs()) * time.Millisecond
+				a.log.Info("node draining", zap.String("reason", k.Drain.GetReason()), zap.Duration("grace", grace))
+				drainCh <- grace
+			}
+		case *tunnelpb.Frame_MembershipUpdate:
+			nodes := make([]string, 0, len(k.MembershipUpdate.GetNodes()))
+			for _, n := range k.MembershipUpdate.GetNodes() {
+				nodes = append(nodes, n.GetId()+"="+n.GetUrl())
+			}
+			a.log.Debug("membership update (ignored)", zap.Strings("nodes", nodes))
+		case *tunnelpb.Frame_Error:
+			a.log.Warn("node reported an error", zap.String("code", k.Error.GetCode().String()), zap.String("message", k.Error.GetMessage()))
+		default:
+			a.log.Debug("unexpected control frame ignored", zap.String("frame", fmt.Sprintf("%T", f.Kind)))
+		}
+	}
+	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(rs, cancel), tunnelcore.Config{
+		Role:      tunnelcore.RoleAgent,
+		OnControl: onControl,
+		Logger:    a.log,
+	})
+	if err != nil {
+		cancel()
+		return sessionResult{err: err}
+	}
+	defer sess.Close()
+	// reason returns why the session ended, preferring the stream's status.
+	reason := func() error {
+		serr := sess.Err()
+		if code, _ := statusOf(serr); code != codes.Unknown && code != codes.OK {
+			return serr
+		}
+		t := time.NewTimer(recvErrWait)
+		defer t.Stop()
+		select {
+		case <-rs.recvDone:
+			if code, _ := statusOf(rs.recvErr); code != codes.Unknown && code != codes.OK && code != codes.Canceled {
+				return rs.recvErr
+			}
+		case <-t.C:
+		}
+		if serr == nil {
+			return errors.New("session ended")
+		}
+		return serr
+	}
+
+	adv := a.advertise()
+	if err := sess.SendControl(adv); err != nil {
+		return sessionResult{err: reason()}
+	}
+
+	// Wait for the AdvertiseAck.
+	ackTimer := time.NewTimer(a.ackTimeout)
+	var ack *tunnelpb.AdvertiseAck
+	select {
+	case ack = <-acks:
+		ackTimer.Stop()
+	case <-sess.Done():
+		ackTimer.Stop()
+		return sessionResult{err: reason(), drained: drained.Load()}
+	case <-ctx.Done():
+		ackTimer.Stop()
+		return sessionResult{err: ctx.Err()}
+	case <-ackTimer.C:
+		err := fmt.Errorf("no AdvertiseAck within %v", a.ackTimeout)
+		sess.CloseWithError(err)
+		return sessionResult{err: err}
+	}
+	connectedAt := time.Now()
+	res.connected = true
+	defer func() { res.uptime = time.Since(connectedAt) }()
+	a.markConnected(ack.GetNodeId())
+	routes := newRouteState()
+	a.log.Info("connected",
+		zap.String("server", a.cfg.Server),
+		zap.String("node_id", ack.GetNodeId()),
+		zap.Strings("routes", routes.update(a.log, ack)))
+
+	// Serve.
+	acceptDone := make(chan struct{})
+	go func() {
+		defer close(acceptDone)
+		for {
+			conn, err := sess.Accept(ctx)
+			if err != nil {
+				return
+			}
+			a.conn.serve(ctx, conn)
+		}
+	}()
+	defer func() { <-acceptDone }()
+
+	// Rejected routes (typically a listen port still held by this agent's
+	// previous session) are retried by advertising again after a backoff.
+	readv := newBackoff(a.backoffInitial, a.backoffMax, nil)
+	var readvC <-chan time.Time
+	var readvTimer *time.Timer
+	scheduleReadvertise := func(rejected bool) {
+		if readvTimer != nil {
+			readvTimer.Stop()
+			readvTimer, readvC = nil, nil
+		}
+		if !rejected {
+			readv.Reset()
+			return
+		}
+		d := readv.Next()
+		a.log.Debug("re-advertising rejected routes later", zap.Duration("in", d))
+		readvTimer = time.NewTimer(d)
+		readvC = readvTimer.C
+	}
+	scheduleReadvertise(len(ack.GetRejected()) > 0)
+	defer func() {
+		if readvTimer != nil {
+			readvTimer.Stop()
+		}
+	}()
+	var drainC <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return sessionResult{connected: true, err: ctx.Err()}
+		case <-sess.Done():
+			return sessionResult{connected: true, err: reason(), drained: drained.Load()}
+		case ack := <-acks:
+			routes.update(a.log, ack)
+			scheduleReadvertise(len(ack.GetRejected()) > 0)
+		case <-readvC:
+			readvTimer, readvC = nil, nil
+			if err := sess.SendControl(adv); err != nil {
+				continue // the session ended; sess.Done reports it
+			}
+		case grace := <-drainCh:
+			// The node ends the session after the grace period; if it does
+			// not, end it here so the agent reconnects.
+			t := time.NewTimer(grace + a.drainMargin)
+			defer t.Stop()
+			drainC = t.C
+		case <-drainC:
+			sess.CloseWithError(errors.New("node drained"))
+		}
+	}
+}
+
+// routeState tracks which routes the node rejected, to log changes once.
+type routeState struct {
+	rejected map[string]string // name -> reason
+}
+
+func newRouteState() *routeState { return &routeState{rejected: map[string]string{}} }
+
+// update logs the rejections of ack that are new and the routes that are
+// accepted after a rejection; it returns the accepted route names.
+func (r *routeState) update(log *zap.Logger, ack *tunnelpb.AdvertiseAck) []string {
+	accepted := make([]string, 0, len(ack.GetAccepted()))
+	for _, k := range ack.GetAccepted() {
+		accepted = append(accepted, k.GetName())
+		if reason, was := r.rejected[k.GetName()]; was {
+			log.Info("route accepted after retry", zap.String("route", k.GetName()), zap.String("previous_reason", reason))
+			delete(r.rejected, k.GetName())
+		}
+	}
+	for _, rj := range ack.GetRejected() {
+		if prev, was := r.rejected[rj.GetName()]; was && prev == rj.GetReason() {
+			log.Debug("route still rejected", zap.String("route", rj.GetName()), zap.String("reason", rj.GetReason()))
+			continue
+		}
+		fields := []zap.Field{zap.String("route", rj.GetName()), zap.String("reason", rj.GetReason())}
+		if rj.GetListenPort() != 0 {
+			fields = append(fields, zap.Uint32("listen_port", rj.GetListenPort()))
+		}
+		log.Warn("route rejected by node", fields...)
+		r.rejected[rj.GetName()] = rj.GetReason()
+	}
+	return accepted
+}
