@@ -1,0 +1,213 @@
+package caddymodule
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/credentials"
+)
+
+func init() {
+	caddy.RegisterModule(App{})
+}
+
+// nodePool holds the nodes by control address across config reloads.
+var nodePool = caddy.NewUsagePool()
+
+// DefaultListen is the control address when none is configured.
+const DefaultListen = ":8001"
+
+// App is the sluice app: the gRPC control plane that sluice-agents dial out
+// to, and the registry of their sessions and routes. The control plane, its
+// listener and the sessions are shared by every config that names the same
+// listen address, so `caddy reload` keeps every agent connected.
+type App struct {
+	// Listen is the control-plane address agents dial, as a Caddy network
+	// address. Default ":8001".
+	Listen string `json:"listen,omitempty"`
+
+	// Token is the bearer token agents must present. Mutually exclusive
+	// with TokenFile. With neither, a token is generated once, written to
+	// the sluice folder of Caddy's data directory, and its path is logged.
+	Token string `json:"token,omitempty"`
+
+	// TokenFile is a file holding the token (surrounding whitespace is
+	// ignored).
+	TokenFile string `json:"token_file,omitempty"`
+
+	// TLSCertFile and TLSKeyFile serve the control plane over TLS (agents
+	// then dial grpcs://). Both or neither.
+	TLSCertFile string `json:"tls_cert_file,omitempty"`
+	TLSKeyFile  string `json:"tls_key_file,omitempty"`
+
+	// AdvertiseTimeout is how long a new agent stream may take to send its
+	// Advertise before it is failed with DEADLINE_EXCEEDED. Default 10s.
+	AdvertiseTimeout caddy.Duration `json:"advertise_timeout,omitempty"`
+
+	token  string
+	node   *node
+	logger *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (App) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "sluice",
+		New: func() caddy.Module { return new(App) },
+	}
+}
+
+// Provision resolves the token and takes (or creates) the node for the
+// control address.
+func (a *App) Provision(ctx caddy.Context) error {
+	a.logger = ctx.Logger()
+	if a.Listen == "" {
+		a.Listen = DefaultListen
+	}
+	if a.AdvertiseTimeout == 0 {
+		a.AdvertiseTimeout = caddy.Duration(10 * time.Second)
+	}
+	token, err := a.resolveToken()
+	if err != nil {
+		return err
+	}
+	a.token = token
+	creds, err := a.transportCredentials()
+	if err != nil {
+		return err
+	}
+	na, err := caddy.ParseNetworkAddress(a.Listen)
+	if err != nil {
+		return fmt.Errorf("sluice: listen: %w", err)
+	}
+	if na.PortRangeSize() != 1 {
+		return fmt.Errorf("sluice: listen: %q must be a single port", a.Listen)
+	}
+	val, _, err := nodePool.LoadOrNew(nodeKey(na.String()), func() (caddy.Destructor, error) {
+		lnAny, err := na.Listen(ctx, 0, net.ListenConfig{})
+		if err != nil {
+			return nil, fmt.Errorf("sluice: listen %s: %w", a.Listen, err)
+		}
+		ln, ok := lnAny.(net.Listener)
+		if !ok {
+			return nil, fmt.Errorf("sluice: listen: %s is not a stream address", a.Listen)
+		}
+		a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", creds != nil))
+		return newNode(na.String(), ln, creds, a.logger), nil
+	})
+	if err != nil {
+		return err
+	}
+	a.node = val.(*node)
+	return nil
+}
+
+// Validate checks the configuration.
+func (a *App) Validate() error {
+	if (a.TLSCertFile == "") != (a.TLSKeyFile == "") {
+		return errors.New("sluice: tls_cert_file and tls_key_file must be set together")
+	}
+	if a.AdvertiseTimeout < 0 {
+		return errors.New("sluice: advertise_timeout must not be negative")
+	}
+	return nil
+}
+
+func (a *App) transportCredentials() (credentials.TransportCredentials, error) {
+	if a.TLSCertFile == "" && a.TLSKeyFile == "" {
+		return nil, nil
+	}
+	if a.TLSCertFile == "" || a.TLSKeyFile == "" {
+		return nil, errors.New("sluice: tls_cert_file and tls_key_file must be set together")
+	}
+	creds, err := credentials.NewServerTLSFromFile(a.TLSCertFile, a.TLSKeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("sluice: tls_cert_file/tls_key_file: %w", err)
+	}
+	return creds, nil
+}
+
+// resolveToken returns the configured token, or the generated one.
+func (a *App) resolveToken() (string, error) {
+	switch {
+	case a.Token != "" && a.TokenFile != "":
+		return "", errors.New("sluice: token and token_file are mutually exclusive")
+	case a.Token != "":
+		return a.Token, nil
+	case a.TokenFile != "":
+		b, err := os.ReadFile(a.TokenFile)
+		if err != nil {
+			return "", fmt.Errorf("sluice: token_file: %w", err)
+		}
+		t := strings.TrimSpace(string(b))
+		if t == "" {
+			return "", fmt.Errorf("sluice: token_file: %s is empty", a.TokenFile)
+		}
+		return t, nil
+	}
+	return a.generatedToken()
+}
+
+// generatedToken reads the token generated earlier, or makes one.
+func (a *App) generatedToken() (string, error) {
+	path := filepath.Join(caddy.AppDataDir(), "sluice", "token")
+	if b, err := os.ReadFile(path); err == nil && strings.TrimSpace(string(b)) != "" {
+		a.logger.Info("sluice: no token configured; using the generated token", zap.String("token_file", path))
+		return strings.TrimSpace(string(b)), nil
+	} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("sluice: reading generated token: %w", err)
+	}
+	raw := make([]byte, 32)
+	if _, err := rand.Read(raw); err != nil {
+		return "", err
+	}
+	token := hex.EncodeToString(raw)
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return "", fmt.Errorf("sluice: storing generated token: %w", err)
+	}
+	if err := os.WriteFile(path, []byte(token+"\n"), 0o600); err != nil {
+		return "", fmt.Errorf("sluice: storing generated token: %w", err)
+	}
+	a.logger.Warn("sluice: no token configured; generated one for agents", zap.String("token_file", path))
+	return token, nil
+}
+
+// Start hands this config's settings to the shared node.
+func (a *App) Start() error {
+	a.node.token.Store(&a.token)
+	a.node.logger.Store(a.logger)
+	a.node.opts.Store(&nodeOptions{advertiseTimeout: time.Duration(a.AdvertiseTimeout)})
+	return nil
+}
+
+// Stop implements caddy.App. The node keeps running: the next config may
+// take it over; Cleanup releases this config's reference.
+func (a *App) Stop() error { return nil }
+
+// Cleanup releases this config's reference to the node; the last one closes
+// the control plane.
+func (a *App) Cleanup() error {
+	if a.node == nil {
+		return nil
+	}
+	_, err := nodePool.Delete(nodeKey(a.node.addr))
+	return err
+}
+
+// Interface guards
+var (
+	_ caddy.App          = (*App)(nil)
+	_ caddy.Provisioner  = (*App)(nil)
+	_ caddy.Validator    = (*App)(nil)
+	_ caddy.CleanerUpper = (*App)(nil)
+)

@@ -1,0 +1,141 @@
+package caddymodule
+
+import (
+	"encoding/json"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+func init() {
+	httpcaddyfile.RegisterGlobalOption("sluice", parseGlobalOption)
+	httpcaddyfile.RegisterHandlerDirective("sluice", parseHandlerDirective)
+	httpcaddyfile.RegisterDirectiveOrder("sluice", httpcaddyfile.After, "reverse_proxy")
+}
+
+// parseGlobalOption sets up the sluice app from the global options block.
+// Several `sluice` blocks are merged. Syntax:
+//
+//	sluice {
+//	    listen            <address>        # control plane, default :8001
+//	    token             <token>
+//	    token_file        <path>
+//	    tls               <cert_file> <key_file>   # serve grpcs://
+//	    advertise_timeout <duration>
+//	}
+func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
+	app := new(App)
+	if existing != nil {
+		prev, ok := existing.(httpcaddyfile.App)
+		if !ok {
+			return nil, d.Errf("sluice: unexpected existing config of type %T", existing)
+		}
+		if err := json.Unmarshal(prev.Value, app); err != nil {
+			return nil, d.Errf("sluice: %v", err)
+		}
+	}
+	if err := app.UnmarshalCaddyfile(d); err != nil {
+		return nil, err
+	}
+	return httpcaddyfile.App{Name: "sluice", Value: caddyconfig.JSON(app, nil)}, nil
+}
+
+// UnmarshalCaddyfile reads the global option block; see parseGlobalOption.
+func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // option name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		opt := d.Val()
+		var err error
+		switch opt {
+		case "listen":
+			err = singleArg(d, &a.Listen)
+		case "token":
+			err = singleArg(d, &a.Token)
+		case "token_file":
+			err = singleArg(d, &a.TokenFile)
+		case "tls":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.Errf("sluice: tls: want <cert_file> <key_file>")
+			}
+			a.TLSCertFile, a.TLSKeyFile = args[0], args[1]
+		case "advertise_timeout":
+			var s string
+			if err = singleArg(d, &s); err == nil {
+				var dur caddy.Duration
+				if dur, err = parseDuration(d, opt, s); err == nil {
+					a.AdvertiseTimeout = dur
+				}
+			}
+		default:
+			return d.Errf("sluice: unrecognized option %q", opt)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func singleArg(d *caddyfile.Dispenser, dst *string) error {
+	opt := d.Val()
+	if !d.NextArg() {
+		return d.Errf("sluice: %s: missing value", opt)
+	}
+	*dst = d.Val()
+	if d.NextArg() {
+		return d.Errf("sluice: %s: takes one value", opt)
+	}
+	return nil
+}
+
+func parseDuration(d *caddyfile.Dispenser, opt, s string) (caddy.Duration, error) {
+	dur, err := caddy.ParseDuration(s)
+	if err != nil {
+		return 0, d.Errf("sluice: %s: %v", opt, err)
+	}
+	return caddy.Duration(dur), nil
+}
+
+// parseHandlerDirective sets up the sluice handler. It takes every
+// reverse_proxy subdirective except upstreams. Syntax:
+//
+//	sluice [<matcher>] {
+//	    lb_policy       <policy>         # default first (smallest agent id)
+//	    lb_try_duration <duration>
+//	    header_up       ...
+//	    header_down     ...
+//	    transport sluice {
+//	        versions h2c                 # speak h2c to the agent's upstream
+//	    }
+//	    ... (any other reverse_proxy subdirective)
+//	}
+func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	d := h.Dispenser
+	d.Next() // directive name
+	if d.NextArg() {
+		return nil, d.Errf("sluice: takes no arguments (agents are the upstreams), got %q", d.Val())
+	}
+	d.Reset()
+	sh := new(Handler)
+	if err := sh.Handler.UnmarshalCaddyfile(d); err != nil {
+		return nil, err
+	}
+	if err := sh.Handler.FinalizeUnmarshalCaddyfile(h); err != nil {
+		return nil, err
+	}
+	if len(sh.Upstreams) > 0 || sh.DynamicUpstreamsRaw != nil {
+		return nil, d.Err("sluice: upstreams are the connected agents; remove `to`/`dynamic`")
+	}
+	if sh.TransportRaw != nil && !strings.Contains(string(sh.TransportRaw), `"protocol":"sluice"`) {
+		return nil, d.Err("sluice: transport: only `transport sluice { ... }` is allowed")
+	}
+	return sh, nil
+}

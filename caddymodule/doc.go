@@ -1,0 +1,11 @@
+// Package caddymodule is sluice's server side as Caddy modules: the app
+// `sluice` (the gRPC control plane agents dial, the session registry and the
+// route table, shared across config reloads), the HTTP handler `sluice` (a
+// reverse_proxy preconfigured for tunnels), the dynamic upstream source
+// `http.reverse_proxy.upstreams.sluice` and the transport
+// `http.reverse_proxy.transport.sluice` that dials virtual connections, and
+// their Caddyfile syntax (the `sluice` global option and directive).
+//
+// Nothing here knows the wire format: it reaches agents through
+// tunnelcore.Session.
+package caddymodule

@@ -1,0 +1,104 @@
+package caddymodule
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// DefaultStreamCloseDelay keeps WebSockets and other upgraded connections
+// open across config reloads: reverse_proxy closes them when its config is
+// unloaded unless stream_close_delay is set.
+const DefaultStreamCloseDelay = 24 * time.Hour
+
+// Handler is reverse_proxy preconfigured for tunnels: upstreams are the
+// agents serving the request's host (dynamic upstreams `sluice`), every
+// connection to them is a virtual connection (transport `sluice`), the
+// smallest agent id serves by default (lb_policy `first`), upgraded
+// connections survive config reloads, and a host no agent serves gets a 503
+// that says so. Every reverse_proxy option applies.
+type Handler struct {
+	reverseproxy.Handler
+
+	app *App
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.sluice",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision fills in the tunnel defaults, then provisions reverse_proxy.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	if len(h.Upstreams) > 0 {
+		return fmt.Errorf("sluice: upstreams: static upstreams are not allowed; agents are the upstreams")
+	}
+	if h.DynamicUpstreamsRaw == nil {
+		h.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(Upstreams{}, "source", "sluice", nil)
+	}
+	if h.TransportRaw == nil {
+		h.TransportRaw = caddyconfig.JSONModuleObject(Transport{}, "protocol", "sluice", nil)
+	} else if p := moduleName(h.TransportRaw, "protocol"); p != "sluice" {
+		return fmt.Errorf("sluice: transport: must be `sluice`, got %q", p)
+	}
+	if h.LoadBalancing == nil {
+		h.LoadBalancing = &reverseproxy.LoadBalancing{}
+	}
+	if h.LoadBalancing.SelectionPolicyRaw == nil {
+		h.LoadBalancing.SelectionPolicyRaw = caddyconfig.JSONModuleObject(reverseproxy.FirstSelection{}, "policy", "first", nil)
+	}
+	if h.StreamCloseDelay == 0 {
+		h.StreamCloseDelay = caddy.Duration(DefaultStreamCloseDelay)
+	}
+	app, err := sluiceApp(ctx)
+	if err != nil {
+		return err
+	}
+	h.app = app
+	return h.Handler.Provision(ctx)
+}
+
+// ServeHTTP answers 503 with a readable body when no agent serves the host,
+// and proxies otherwise.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	host := normalizeHost(r.Host)
+	if len(h.app.node.reg.table.Load().lookupHTTP(host)) == 0 {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("Cache-Control", "no-store")
+		w.Header().Set("Retry-After", "5")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		fmt.Fprintf(w, "503 Service Unavailable: no sluice agent is connected for %s\n", host)
+		return nil
+	}
+	return h.Handler.ServeHTTP(w, r, next)
+}
+
+// moduleName reads the inline module name (e.g. "protocol") of a raw module.
+func moduleName(raw json.RawMessage, key string) string {
+	var m map[string]any
+	if json.Unmarshal(raw, &m) != nil {
+		return ""
+	}
+	s, _ := m[key].(string)
+	return s
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

@@ -1,0 +1,250 @@
+package caddymodule
+
+import (
+	"fmt"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+// dialSuffix ends every dial address the upstream source hands to Caddy.
+// An address is "r<route>.s<generation>.sluice:80": it names one route of one
+// session, so Caddy's connection pools never mix routes or outlive a
+// reconnect.
+const dialSuffix = ".sluice"
+
+// agentSession is one registered agent stream.
+type agentSession struct {
+	agentID   string
+	gen       uint64 // unique per registration on this node
+	sess      *tunnelcore.Session
+	remote    string
+	build     string
+	connected time.Time
+	routes    []*routeEntry
+}
+
+// routeEntry is one route of one agent session.
+type routeEntry struct {
+	agent   *agentSession
+	route   *tunnelpb.Route
+	pattern *regexp.Regexp // compiled host_pattern, nil otherwise
+	dial    string         // host part of the dial address
+}
+
+// httpRoutable reports whether the route may serve HTTP by host: listen-port
+// and passthrough routes never do.
+func (e *routeEntry) httpRoutable() bool {
+	return e.route.GetListenPort() == 0 && !e.route.GetTlsPassthrough()
+}
+
+// routeTable is an immutable snapshot of every route; a new one is built on
+// each registration change and swapped in atomically.
+type routeTable struct {
+	exact    map[string][]*routeEntry // by host, ordered by agent id
+	patterns []*routeEntry            // ordered by agent id, then advertise order
+	catchAll []*routeEntry            // ordered by agent id
+	byDial   map[string]*routeEntry
+}
+
+// registry holds the agent sessions of one node, by agent id.
+type registry struct {
+	mu      sync.Mutex
+	agents  map[string]*agentSession
+	nextGen atomic.Uint64
+	table   atomic.Pointer[routeTable]
+}
+
+func newRegistry() *registry {
+	r := &registry{agents: make(map[string]*agentSession)}
+	r.table.Store(buildTable(nil))
+	return r
+}
+
+// validateRoutes compiles the advertised routes. Invalid ones are returned
+// as rejected with the reason; listen-port routes are rejected until the
+// node supports them.
+func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tunnelpb.RejectedRoute) {
+	seen := map[string]bool{}
+	for _, rt := range routes {
+		name := routeName(rt)
+		reject := func(reason string) {
+			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: name, ListenPort: rt.GetListenPort(), Reason: reason})
+		}
+		if seen[name] {
+			reject("duplicate route name")
+			continue
+		}
+		seen[name] = true
+		e := &routeEntry{route: rt}
+		if p := rt.GetHostPattern(); p != "" {
+			re, err := regexp.Compile("^(?:" + p + ")$")
+			if err != nil {
+				reject(fmt.Sprintf("host_pattern: %v", err))
+				continue
+			}
+			e.pattern = re
+		}
+		if rt.GetListenPort() != 0 {
+			reject("listen_port routes are not enabled on this node")
+			continue
+		}
+		ok = append(ok, e)
+	}
+	return ok, rejected
+}
+
+// routeName is the name a route goes by in Connect frames.
+func routeName(rt *tunnelpb.Route) string {
+	switch {
+	case rt.GetName() != "":
+		return rt.GetName()
+	case rt.GetHost() != "":
+		return rt.GetHost()
+	case rt.GetHostPattern() != "":
+		return rt.GetHostPattern()
+	case rt.GetListenPort() != 0:
+		return ":" + strconv.Itoa(int(rt.GetListenPort()))
+	default:
+		return "*"
+	}
+}
+
+// register adds a session for agentID, replacing any earlier session of the
+// same agent (which is left to end by itself).
+func (r *registry) register(a *agentSession, entries []*routeEntry) (replaced *agentSession) {
+	a.gen = r.nextGen.Add(1)
+	for i, e := range entries {
+		e.agent = a
+		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(a.gen, 10) + dialSuffix
+	}
+	a.routes = entries
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	replaced = r.agents[a.agentID]
+	r.agents[a.agentID] = a
+	r.rebuildLocked()
+	return replaced
+}
+
+// unregister removes a only if it is still the agent's current session, so a
+// displaced session's late end never evicts its successor.
+func (r *registry) unregister(a *agentSession) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.agents[a.agentID] != a {
+		return false
+	}
+	delete(r.agents, a.agentID)
+	r.rebuildLocked()
+	return true
+}
+
+func (r *registry) rebuildLocked() {
+	agents := make([]*agentSession, 0, len(r.agents))
+	for _, a := range r.agents {
+		agents = append(agents, a)
+	}
+	r.table.Store(buildTable(agents))
+}
+
+func buildTable(agents []*agentSession) *routeTable {
+	slices.SortFunc(agents, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
+	t := &routeTable{exact: map[string][]*routeEntry{}, byDial: map[string]*routeEntry{}}
+	for _, a := range agents {
+		for _, e := range a.routes {
+			t.byDial[e.dial] = e
+			if !e.httpRoutable() {
+				continue
+			}
+			switch {
+			case e.route.GetHost() != "":
+				h := strings.ToLower(e.route.GetHost())
+				t.exact[h] = append(t.exact[h], e)
+			case e.pattern != nil:
+				t.patterns = append(t.patterns, e)
+			default:
+				t.catchAll = append(t.catchAll, e)
+			}
+		}
+	}
+	return t
+}
+
+// lookupHTTP returns the routes serving host, ordered by agent id: exact
+// host routes if any, else the host patterns that match, else the
+// catch-all routes.
+func (t *routeTable) lookupHTTP(host string) []*routeEntry {
+	if es := t.exact[host]; len(es) > 0 {
+		return es
+	}
+	var out []*routeEntry
+	for _, e := range t.patterns {
+		if e.pattern.MatchString(host) {
+			out = append(out, e)
+		}
+	}
+	if len(out) > 0 {
+		return out
+	}
+	return t.catchAll
+}
+
+// byDialAddress finds the route a dial address names ("r0.s3.sluice:80").
+func (t *routeTable) byDialAddress(addr string) *routeEntry {
+	host := addr
+	if i := strings.LastIndexByte(addr, ':'); i >= 0 {
+		host = addr[:i]
+	}
+	return t.byDial[host]
+}
+
+// sessions returns the current agent sessions ordered by agent id.
+func (r *registry) sessions() []*agentSession {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]*agentSession, 0, len(r.agents))
+	for _, a := range r.agents {
+		out = append(out, a)
+	}
+	slices.SortFunc(out, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
+	return out
+}
+
+// normalizeHost lowercases host and strips a port and a trailing dot.
+func normalizeHost(hostport string) string {
+	h := hostport
+	if strings.HasPrefix(h, "[") {
+		if i := strings.IndexByte(h, ']'); i > 0 {
+			h = h[1:i]
+		}
+	} else if i := strings.LastIndexByte(h, ':'); i >= 0 && strings.Count(h, ":") == 1 {
+		h = h[:i]
+	}
+	return strings.TrimSuffix(strings.ToLower(h), ".")
+}
+
+// reroute replaces the routes of a registered session (a repeated
+// Advertise). The generation changes, so pooled connections of the old
+// routes are not reused for the new ones.
+func (r *registry) reroute(a *agentSession, entries []*routeEntry) {
+	gen := r.nextGen.Add(1)
+	for i, e := range entries {
+		e.agent = a
+		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(gen, 10) + dialSuffix
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	a.routes = entries
+	a.gen = gen
+	if r.agents[a.agentID] == a {
+		r.rebuildLocked()
+	}
+}

@@ -1,0 +1,135 @@
+package caddymodule
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"slices"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+func init() {
+	caddy.RegisterModule(Transport{})
+}
+
+// Transport is Caddy's HTTP transport with its dialer replaced: every
+// connection to an upstream is a virtual connection on the agent session the
+// upstream names. All of the http transport's options apply (versions,
+// h2c, keep-alive, timeouts, TLS to the upstream through the agent), except
+// HTTP/3 and proxy_protocol, which do not dial through a net.Conn.
+type Transport struct {
+	reverseproxy.HTTPTransport
+
+	app *App
+}
+
+// CaddyModule returns the Caddy module information.
+func (Transport) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.transport.sluice",
+		New: func() caddy.Module { return new(Transport) },
+	}
+}
+
+// Provision sets up the embedded HTTP transport, then takes over its dialing.
+func (t *Transport) Provision(ctx caddy.Context) error {
+	if slices.Contains(t.Versions, "3") {
+		return errors.New("sluice transport: versions: HTTP/3 cannot run through a tunnel")
+	}
+	if t.ProxyProtocol != "" {
+		return errors.New("sluice transport: proxy_protocol: set proxy_protocol on the agent's upstream instead")
+	}
+	if err := t.HTTPTransport.Provision(ctx); err != nil {
+		return err
+	}
+	app, err := sluiceApp(ctx)
+	if err != nil {
+		return err
+	}
+	t.app = app
+	rt := t.HTTPTransport.Transport
+	// The dial address names a session, not a host: never send it to an
+	// HTTP proxy from the environment.
+	rt.Proxy = nil
+	rt.DialContext = t.dial
+	rt.DialTLSContext = nil // net/http then does TLS over our dialer
+	// Pooled connections of an ended session are useless: drop them.
+	app.node.watchSessions(t, rt.CloseIdleConnections)
+	return nil
+}
+
+// Cleanup closes idle connections and stops watching sessions.
+func (t *Transport) Cleanup() error {
+	if t.app != nil {
+		t.app.node.unwatchSessions(t)
+	}
+	return t.HTTPTransport.Cleanup()
+}
+
+// RoundTrip rewrites the Host for routes that ask for it, then proxies.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if di, ok := reverseproxy.GetDialInfo(req.Context()); ok {
+		if e := t.app.node.reg.table.Load().byDialAddress(di.Address); e != nil {
+			if h := e.route.GetRewriteHost(); h != "" {
+				req.Host = h
+			}
+		}
+	}
+	return t.HTTPTransport.RoundTrip(req)
+}
+
+// dial opens a virtual connection to the route the dial address names.
+// A session that is gone is a retryable 503 (the next agent may serve).
+func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	target := addr
+	if di, ok := reverseproxy.GetDialInfo(ctx); ok {
+		target = di.Address
+	}
+	e := t.app.node.reg.table.Load().byDialAddress(target)
+	if e == nil {
+		return nil, unavailable(fmt.Errorf("sluice: no agent session for %s (agent disconnected)", target))
+	}
+	info := tunnelcore.ConnectInfo{RouteKey: routeName(e.route)}
+	if r, ok := ctx.Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
+		info.RemoteAddr = r.RemoteAddr
+		if r.TLS != nil {
+			info.ServerName = r.TLS.ServerName
+		}
+	}
+	conn, err := e.agent.sess.Open(info)
+	if err != nil {
+		return nil, unavailable(fmt.Errorf("sluice: agent %s: %w", e.agent.agentID, err))
+	}
+	return conn, nil
+}
+
+// unavailable makes err a retryable 503 for reverse_proxy.
+func unavailable(err error) error {
+	return caddyhttp.Error(http.StatusServiceUnavailable, reverseproxy.NewDialError(err))
+}
+
+// UnmarshalCaddyfile accepts every `transport http` option. Syntax:
+//
+//	transport sluice {
+//	    versions h2c
+//	    ... (any option of transport http)
+//	}
+func (t *Transport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	return t.HTTPTransport.UnmarshalCaddyfile(d)
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner     = (*Transport)(nil)
+	_ caddy.CleanerUpper    = (*Transport)(nil)
+	_ http.RoundTripper     = (*Transport)(nil)
+	_ caddyfile.Unmarshaler = (*Transport)(nil)
+)

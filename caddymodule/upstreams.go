@@ -1,0 +1,82 @@
+package caddymodule
+
+import (
+	"fmt"
+	"net/http"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+func init() {
+	caddy.RegisterModule(Upstreams{})
+}
+
+// Upstreams is a dynamic upstream source that returns one upstream per
+// agent route serving the request's host: exact host routes first, then
+// host patterns, then catch-all routes, each ordered by agent id. With none,
+// reverse_proxy answers 503.
+type Upstreams struct {
+	app *App
+}
+
+// CaddyModule returns the Caddy module information.
+func (Upstreams) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.upstreams.sluice",
+		New: func() caddy.Module { return new(Upstreams) },
+	}
+}
+
+// Provision finds the sluice app.
+func (u *Upstreams) Provision(ctx caddy.Context) error {
+	app, err := sluiceApp(ctx)
+	if err != nil {
+		return err
+	}
+	u.app = app
+	return nil
+}
+
+// GetUpstreams implements reverseproxy.UpstreamSource. The upstreams are
+// allocated anew on every call: reverse_proxy mutates them.
+func (u *Upstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
+	routes := u.app.node.reg.table.Load().lookupHTTP(normalizeHost(r.Host))
+	ups := make([]*reverseproxy.Upstream, len(routes))
+	for i, e := range routes {
+		ups[i] = &reverseproxy.Upstream{Dial: e.dial + ":80"}
+	}
+	return ups, nil
+}
+
+// UnmarshalCaddyfile sets up the source from Caddyfile tokens. Syntax:
+//
+//	dynamic sluice
+func (u *Upstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // source name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	if d.NextBlock(0) {
+		return d.Errf("unrecognized sluice upstreams option %q", d.Val())
+	}
+	return nil
+}
+
+// sluiceApp returns the sluice app of ctx's config, provisioning a default
+// one when the config has none.
+func sluiceApp(ctx caddy.Context) (*App, error) {
+	appAny, err := ctx.App("sluice")
+	if err != nil {
+		return nil, fmt.Errorf("loading sluice app: %w", err)
+	}
+	return appAny.(*App), nil
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Upstreams)(nil)
+	_ reverseproxy.UpstreamSource = (*Upstreams)(nil)
+	_ caddyfile.Unmarshaler       = (*Upstreams)(nil)
+)
