@@ -234,25 +234,25 @@ func (a *Agent) setState(s State) { a.state.Store(int32(s)) }
 func (a *Agent) markConnected(nodeID string) {
 	a.mu.Lock()
 	a.nodeID = nodeID
+	a.setState(StateConnected) // before the channel closes, so waiters see it
 	select {
 	case <-a.connected:
 	default:
 		close(a.connected)
 	}
 	a.mu.Unlock()
-	a.setState(StateConnected)
 }
 
 func (a *Agent) markDisconnected(next State) {
 	a.mu.Lock()
 	a.nodeID = ""
+	a.setState(next)
 	select {
 	case <-a.connected:
 		a.connected = make(chan struct{})
 	default:
 	}
 	a.mu.Unlock()
-	a.setState(next)
 }
 
 // Run connects to the node and serves it until ctx is cancelled,
@@ -319,13 +319,13 @@ func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
 	fields := []zap.Field{
 		zap.String("server", a.cfg.Server),
 		zap.String("reason", msg),
-		zap.Duration("retry_in", wait.Round(time.Millisecond)),
+		zap.String("retry_in", wait.Round(time.Millisecond).String()),
 	}
 	if code != codes.OK && code != codes.Unknown {
 		fields = append(fields, zap.String("code", code.String()))
 	}
 	if r.connected {
-		fields = append(fields, zap.Duration("connected_for", r.uptime.Round(time.Millisecond)))
+		fields = append(fields, zap.String("connected_for", r.uptime.Round(time.Millisecond).String()))
 	}
 	switch {
 	case code == codes.Unauthenticated || code == codes.PermissionDenied:
@@ -529,12 +529,12 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	connectedAt := time.Now()
 	res.connected = true
 	defer func() { res.uptime = time.Since(connectedAt) }()
-	a.markConnected(ack.GetNodeId())
 	routes := newRouteState()
 	a.log.Info("connected",
 		zap.String("server", a.cfg.Server),
 		zap.String("node_id", ack.GetNodeId()),
 		zap.Strings("routes", routes.update(a.log, ack)))
+	a.markConnected(ack.GetNodeId())
 
 	// Serve.
 	acceptDone := make(chan struct{})

@@ -50,27 +50,23 @@ func run(args []string) int {
 	}
 	defer logger.Sync() //nolint:errcheck // stderr
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	sigCtx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	runDone := make(chan struct{})
-	logged := make(chan struct{})
+	// The agent stops only after "shutting down" is logged.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	go func() {
-		defer close(logged)
 		select {
-		case <-ctx.Done():
+		case <-sigCtx.Done():
 			logger.Info("shutting down")
-		case <-runDone:
-			if ctx.Err() != nil { // signal raced with Run's return
-				logger.Info("shutting down")
-			}
+			cancel()
+		case <-ctx.Done():
 		}
 	}()
 
 	logger.Info("starting", zap.String("build", agent.BuildString()), zap.String("agent_id", cfg.ID),
 		zap.String("server", cfg.Server), zap.Int("upstreams", len(cfg.Upstreams)))
 	err = agent.Run(ctx, cfg, logger)
-	close(runDone)
-	<-logged
 	if err != nil {
 		logger.Error("agent failed", zap.Error(err))
 		return 1

@@ -1,0 +1,308 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// fakeNode is a minimal sluice node: a real gRPC server on loopback that
+// checks the token, reads the Advertise raw, starts a node session, answers
+// with an AdvertiseAck and hands the session to the test.
+type fakeNode struct {
+	tunnelpb.UnimplementedTunnelServer
+
+	t     testing.TB
+	token string
+	addr  string
+	srv   *grpc.Server
+
+	// ack builds the AdvertiseAck for the n-th Advertise (n from 1) of a
+	// session; nil accepts every route. Returning nil sends no Ack.
+	ack func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
+
+	attempts    atomic.Int32 // Connect calls
+	authFailed  atomic.Int32 // Connect calls refused for the token
+	sessions    chan *nodeSession
+	stopOnce    sync.Once
+	handlersEnd sync.WaitGroup
+}
+
+// nodeSession is one agent session as the fake node sees it.
+type nodeSession struct {
+	sess   *tunnelcore.Session
+	adv    *tunnelpb.Advertise
+	md     metadata.MD
+	cancel context.CancelFunc
+	// advs receives every later Advertise of the session.
+	advs chan *tunnelpb.Advertise
+}
+
+type nodeOptions struct {
+	addr  string // default 127.0.0.1:0
+	creds credentials.TransportCredentials
+	ack   func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
+}
+
+func newFakeNode(t testing.TB, token string, o nodeOptions) *fakeNode {
+	t.Helper()
+	addr := o.addr
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	var lis net.Listener
+	var err error
+	// A restarted node rebinds the port its predecessor released.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		lis, err = net.Listen("tcp", addr)
+		if err == nil || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := []grpc.ServerOption{
+		grpc.ForceServerCodecV2(tunnelpb.Codec{}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+	}
+	if o.creds != nil {
+		opts = append(opts, grpc.Creds(o.creds))
+	}
+	n := &fakeNode{
+		t:        t,
+		token:    token,
+		addr:     lis.Addr().String(),
+		srv:      grpc.NewServer(opts...),
+		ack:      o.ack,
+		sessions: make(chan *nodeSession, 16),
+	}
+	tunnelpb.RegisterTunnelServer(n.srv, n)
+	go n.srv.Serve(lis)
+	t.Cleanup(n.stop)
+	return n
+}
+
+func (n *fakeNode) stop() {
+	n.stopOnce.Do(func() {
+		n.srv.Stop()
+		n.handlersEnd.Wait()
+	})
+}
+
+func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) error {
+	n.handlersEnd.Add(1)
+	defer n.handlersEnd.Done()
+	n.attempts.Add(1)
+	md, _ := metadata.FromIncomingContext(st.Context())
+	if got := md.Get("authorization"); len(got) != 1 || got[0] != "Bearer "+n.token {
+		n.authFailed.Add(1)
+		return status.Error(codes.Unauthenticated, "invalid token")
+	}
+	env := &tunnelpb.Envelope{}
+	if err := st.RecvMsg(env); err != nil {
+		return err
+	}
+	adv := env.Frame.GetAdvertise()
+	if adv == nil {
+		return status.Error(codes.InvalidArgument, "first frame is not Advertise")
+	}
+	ctx, cancel := context.WithCancel(st.Context())
+	defer cancel()
+	ns := &nodeSession{adv: adv, md: md, cancel: cancel, advs: make(chan *tunnelpb.Advertise, 16)}
+	var advN atomic.Int32
+	advN.Store(1)
+	var sess *tunnelcore.Session
+	ready := make(chan struct{})
+	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(st, cancel), tunnelcore.Config{
+		Role:       tunnelcore.RoleNode,
+		PeerWindow: adv.GetInitialWindow(),
+		OnControl: func(f *tunnelpb.Frame) {
+			if a := f.GetAdvertise(); a != nil {
+				select {
+				case ns.advs <- a:
+				default:
+				}
+				k := int(advN.Add(1))
+				go func() { // OnControl must not block
+					<-ready
+					n.sendAck(sess, a, k)
+				}()
+			}
+		},
+	})
+	if err != nil {
+		return err
+	}
+	close(ready)
+	defer sess.Close()
+	ns.sess = sess
+	n.sendAck(sess, adv, 1)
+	select {
+	case n.sessions <- ns:
+	case <-ctx.Done():
+		return nil
+	}
+	select {
+	case <-ctx.Done():
+	case <-sess.Done():
+	}
+	return nil
+}
+
+func (n *fakeNode) sendAck(sess *tunnelcore.Session, adv *tunnelpb.Advertise, k int) {
+	var ack *tunnelpb.AdvertiseAck
+	if n.ack != nil {
+		ack = n.ack(adv, k)
+	} else {
+		ack = acceptAll(adv)
+	}
+	if ack != nil {
+		sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: ack}})
+	}
+}
+
+func acceptAll(adv *tunnelpb.Advertise) *tunnelpb.AdvertiseAck {
+	ack := &tunnelpb.AdvertiseAck{NodeId: "node-1", InitialWindow: tunnelcore.InitialWindow}
+	for _, r := range adv.GetRoutes() {
+		ack.Accepted = append(ack.Accepted, &tunnelpb.RouteKey{Name: r.GetName()})
+	}
+	return ack
+}
+
+// next waits for the next session an agent established.
+func (n *fakeNode) next(t testing.TB) *nodeSession {
+	t.Helper()
+	select {
+	case ns := <-n.sessions:
+		return ns
+	case <-time.After(10 * time.Second):
+		t.Fatal("timed out waiting for an agent session")
+		return nil
+	}
+}
+
+// runningAgent is an Agent started by startAgent.
+type runningAgent struct {
+	*Agent
+	logs   *observer.ObservedLogs
+	cancel context.CancelFunc
+	done   chan error
+}
+
+// stop cancels the agent and waits for Run; it returns Run's result.
+func (r *runningAgent) stop(t testing.TB) error {
+	t.Helper()
+	r.cancel()
+	select {
+	case err := <-r.done:
+		r.done <- err
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return within 10s of cancel")
+		return nil
+	}
+}
+
+// testConfig is an agent configuration for the node at addr.
+func testConfig(addr, token string, ups ...Upstream) *Config {
+	return &Config{Server: "grpc://" + addr, Token: token, ID: "agent-test", Upstreams: ups}
+}
+
+// startAgent runs an agent for cfg with a fast backoff; it is stopped at cleanup.
+func startAgent(t testing.TB, cfg *Config, tweak ...func(*Agent)) *runningAgent {
+	t.Helper()
+	core, logs := observer.New(zap.DebugLevel)
+	a, err := New(cfg, zap.New(core), WithBackoff(20*time.Millisecond, 200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range tweak {
+		f(a)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &runningAgent{Agent: a, logs: logs, cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- a.Run(ctx) }()
+	t.Cleanup(func() {
+		if err := r.stop(t); err != nil {
+			t.Errorf("Run: %v", err)
+		}
+		if t.Failed() {
+			for _, e := range logs.All() {
+				t.Logf("agent log: %s %s %v", e.Level, e.Message, e.ContextMap())
+			}
+		}
+	})
+	return r
+}
+
+// waitFor polls cond until it holds or within passes.
+func waitFor(t testing.TB, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", within, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// hasLog reports whether the agent logged a message starting with msg whose
+// string field contains contains (any such message when field is "").
+func hasLog(logs *observer.ObservedLogs, msg string, field, contains string) bool {
+	for _, e := range logs.All() {
+		if !strings.HasPrefix(e.Message, msg) {
+			continue
+		}
+		if field == "" {
+			return true
+		}
+		if v, ok := e.ContextMap()[field].(string); ok && strings.Contains(v, contains) {
+			return true
+		}
+	}
+	return false
+}
+
+// peerError reads from c until it fails and returns the PeerError.
+func peerError(t testing.TB, c net.Conn) *tunnelcore.PeerError {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	buf := make([]byte, 1024)
+	for {
+		_, err := c.Read(buf)
+		if err == nil {
+			continue
+		}
+		var pe *tunnelcore.PeerError
+		if !errors.As(err, &pe) {
+			t.Fatalf("read error %v (%T) is not a PeerError", err, err)
+		}
+		return pe
+	}
+}

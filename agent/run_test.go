@@ -1,0 +1,517 @@
+package agent
+
+import (
+	"bufio"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"log"
+	"math/big"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"google.golang.org/grpc/credentials"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+// httpGet sends a raw HTTP/1.1 GET over c and returns the response.
+func httpGet(t testing.TB, c net.Conn, host, path string) (*http.Response, string) {
+	t.Helper()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", path, host); err != nil {
+		t.Fatalf("write request: %v", err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("read response: %v", err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatalf("read body: %v", err)
+	}
+	return resp, string(body)
+}
+
+func helloServer(t testing.TB, tlsServer bool) *httptest.Server {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "hello %s %s", r.Host, r.URL.Path)
+	})
+	s := httptest.NewUnstartedServer(h)
+	s.Config.ErrorLog = log.New(io.Discard, "", 0) // expected handshake failures
+	if tlsServer {
+		s.StartTLS()
+	} else {
+		s.Start()
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+func TestAdvertiseAndHTTP(t *testing.T) {
+	up := helloServer(t, false)
+	node := newFakeNode(t, "secret", nodeOptions{})
+	cfg := testConfig(node.addr, "secret",
+		Upstream{Name: "web", Host: "App.Test", Target: up.URL, RewriteHost: "app.local", ForceHTTP1: true,
+			AllowedCIDRs: []string{"10.0.0.0/8"}},
+		Upstream{ListenPort: 16379, Target: "tcp://127.0.0.1:6379", VerbatimIdleTimeout: 90 * time.Second},
+	)
+	ag := startAgent(t, cfg)
+	ns := node.next(t)
+
+	// The handshake as the node sees it.
+	if got := ns.md.Get("x-sluice-id"); len(got) != 1 || got[0] != "agent-test" {
+		t.Errorf("x-sluice-id = %q", got)
+	}
+	adv := ns.adv
+	if adv.GetAgentId() != "agent-test" || !strings.HasPrefix(adv.GetBuild(), "sluice-agent ") ||
+		adv.GetInitialWindow() != tunnelcore.InitialWindow || len(adv.GetRoutes()) != 2 {
+		t.Fatalf("advertise = %v", adv)
+	}
+	r0, r1 := adv.GetRoutes()[0], adv.GetRoutes()[1]
+	if r0.GetName() != "web" || r0.GetHost() != "app.test" || r0.GetTarget() != up.URL ||
+		r0.GetRewriteHost() != "app.local" || !r0.GetForceHttp1() || len(r0.GetAllowedCidrs()) != 1 {
+		t.Errorf("route 0 = %v", r0)
+	}
+	if r1.GetName() != ":16379" || r1.GetListenPort() != 16379 || r1.GetVerbatimIdleTimeoutMs() != 90000 {
+		t.Errorf("route 1 = %v", r1)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := ag.WaitConnected(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ag.State() != StateConnected || ag.NodeID() != "node-1" {
+		t.Errorf("state %v node %q", ag.State(), ag.NodeID())
+	}
+	if !hasLog(ag.logs, "connected", "node_id", "node-1") {
+		t.Error("no connected log line")
+	}
+
+	for i := 0; i < 3; i++ {
+		c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "web", RemoteAddr: "203.0.113.7:5555"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, body := httpGet(t, c, "app.test", fmt.Sprintf("/hello/%d", i))
+		c.Close()
+		if resp.StatusCode != 200 || body != fmt.Sprintf("hello app.test /hello/%d", i) {
+			t.Fatalf("response %d %q", resp.StatusCode, body)
+		}
+	}
+}
+
+func TestUnknownRouteRefused(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{})
+	startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}))
+	ns := node.next(t)
+	c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "nope"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pe := peerError(t, c)
+	if pe.Code != tunnelpb.Error_REFUSED || !strings.Contains(pe.Message, "route nope not served") {
+		t.Fatalf("got %v", pe)
+	}
+}
+
+func closedPort(t testing.TB) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
+}
+
+func TestDialFailed(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{})
+	target := "tcp://" + closedPort(t)
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "db", Target: target}))
+	ns := node.next(t)
+	for i := 0; i < 3; i++ {
+		c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "db"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pe := peerError(t, c)
+		if pe.Code != tunnelpb.Error_DIAL_FAILED || !strings.Contains(pe.Message, "dial "+target) {
+			t.Fatalf("got %v", pe)
+		}
+	}
+	// One warning line for the three failures (rate limited).
+	if n := ag.logs.FilterMessage("upstream dial failed").Len(); n != 1 {
+		t.Errorf("%d dial failure lines, want 1", n)
+	}
+}
+
+func TestWrongTokenRetries(t *testing.T) {
+	node := newFakeNode(t, "right", nodeOptions{})
+	ag := startAgent(t, testConfig(node.addr, "wrong", Upstream{Name: "web", Target: "http://127.0.0.1:1"}))
+	waitFor(t, 10*time.Second, "three refused attempts", func() bool { return node.authFailed.Load() >= 3 })
+	waitFor(t, 5*time.Second, "an authentication error line", func() bool {
+		for _, e := range ag.logs.FilterMessage("authentication failed; retrying").All() {
+			if e.Level == zapcore.ErrorLevel && e.ContextMap()["reason"] == "invalid token" &&
+				e.ContextMap()["code"] == "Unauthenticated" {
+				return true
+			}
+		}
+		return false
+	})
+	if s := ag.State(); s == StateConnected {
+		t.Fatalf("state %v", s)
+	}
+	select {
+	case <-ag.Connected():
+		t.Fatal("connected with a wrong token")
+	default:
+	}
+}
+
+func TestReconnectAfterServerRestart(t *testing.T) {
+	up := helloServer(t, false)
+	node := newFakeNode(t, "secret", nodeOptions{})
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: up.URL}))
+	node.next(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := ag.WaitConnected(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	node.stop()
+	waitFor(t, 10*time.Second, "the agent to notice the restart", func() bool { return ag.State() != StateConnected })
+	node2 := newFakeNode(t, "secret", nodeOptions{addr: node.addr})
+	ns := node2.next(t)
+	if err := ag.WaitConnected(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "web"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if resp, body := httpGet(t, c, "x", "/again"); resp.StatusCode != 200 || body != "hello x /again" {
+		t.Fatalf("response %d %q", resp.StatusCode, body)
+	}
+	if !hasLog(ag.logs, "disconnected; reconnecting", "", "") {
+		t.Error("no disconnect line")
+	}
+}
+
+func TestDrainReconnects(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{})
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}))
+	ns := node.next(t)
+	ns.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{GraceMs: 0, Reason: "test"}}})
+	waitFor(t, 10*time.Second, "the draining line", func() bool { return hasLog(ag.logs, "node draining", "reason", "test") })
+	ns.cancel() // the node ends the session after the grace period
+	node.next(t)
+	waitFor(t, 10*time.Second, "the drained line", func() bool { return hasLog(ag.logs, "disconnected: node drained", "", "") })
+}
+
+func TestDrainWithoutCloseReconnects(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{})
+	startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}),
+		func(a *Agent) { a.drainMargin = 10 * time.Millisecond })
+	ns := node.next(t)
+	ns.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{GraceMs: 20}}})
+	node.next(t) // the agent ended the drained session itself and reconnected
+	select {
+	case <-ns.sess.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("drained session still open")
+	}
+}
+
+func TestAckTimeoutRetries(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{ack: func(*tunnelpb.Advertise, int) *tunnelpb.AdvertiseAck { return nil }})
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}),
+		func(a *Agent) { a.ackTimeout = 50 * time.Millisecond })
+	node.next(t)
+	node.next(t)
+	waitFor(t, 5*time.Second, "the ack timeout line", func() bool {
+		return hasLog(ag.logs, "connection failed; retrying", "reason", "no AdvertiseAck")
+	})
+}
+
+func TestRejectedRouteReadvertised(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{ack: func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck {
+		ack := acceptAll(adv)
+		if n == 1 {
+			ack.Accepted = ack.Accepted[:1]
+			ack.Rejected = []*tunnelpb.RejectedRoute{{Name: ":16379", ListenPort: 16379, Reason: "port in use"}}
+		}
+		return ack
+	}})
+	ag := startAgent(t, testConfig(node.addr, "secret",
+		Upstream{Name: "web", Target: "http://127.0.0.1:1"},
+		Upstream{ListenPort: 16379, Target: "tcp://127.0.0.1:1"}))
+	ns := node.next(t)
+	select {
+	case adv := <-ns.advs:
+		if len(adv.GetRoutes()) != 2 {
+			t.Fatalf("re-advertise %v", adv)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no second Advertise")
+	}
+	waitFor(t, 5*time.Second, "the accepted-after-retry line", func() bool {
+		return hasLog(ag.logs, "route accepted after retry", "route", ":16379")
+	})
+	if !hasLog(ag.logs, "route rejected by node", "reason", "port in use") {
+		t.Error("no rejection line")
+	}
+}
+
+func TestCancelStopsRunWithOpenConnection(t *testing.T) {
+	// An echo upstream that keeps the connection open.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() { io.Copy(c, c); c.Close() }()
+		}
+	}()
+	node := newFakeNode(t, "secret", nodeOptions{})
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + l.Addr().String()}))
+	ns := node.next(t)
+	c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "echo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "ping" {
+		t.Fatalf("echo %q %v", buf, err)
+	}
+	if n := ag.ActiveConns(); n != 1 {
+		t.Fatalf("active %d", n)
+	}
+	if err := ag.stop(t); err != nil {
+		t.Fatalf("Run returned %v", err)
+	}
+	if n := ag.ActiveConns(); n != 0 || ag.State() != StateStopped {
+		t.Fatalf("after Run: active %d state %v", n, ag.State())
+	}
+}
+
+func TestMaxConnections(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() { io.Copy(c, c); c.Close() }()
+		}
+	}()
+	node := newFakeNode(t, "secret", nodeOptions{})
+	cfg := testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + l.Addr().String()})
+	cfg.MaxConnections = 1
+	startAgent(t, cfg)
+	ns := node.next(t)
+	c1, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "echo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c1.Close()
+	c1.SetDeadline(time.Now().Add(10 * time.Second))
+	c1.Write([]byte("x"))
+	if _, err := io.ReadFull(c1, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	c2, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "echo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pe := peerError(t, c2); pe.Code != tunnelpb.Error_RESOURCE_EXHAUSTED {
+		t.Fatalf("got %v", pe)
+	}
+}
+
+func TestProxyProtocolHeaders(t *testing.T) {
+	for _, tc := range []struct {
+		version string
+		want    []byte
+	}{
+		{"v1", []byte("PROXY TCP4 203.0.113.7 198.51.100.1 5555 16379\r\n")},
+		{"v2", []byte("\r\n\r\n\x00\r\nQUIT\n\x21\x11\x00\x0c" +
+			"\xcb\x00\x71\x07" + "\xc6\x33\x64\x01" + "\x15\xb3" + "\x3f\xfb")},
+	} {
+		t.Run(tc.version, func(t *testing.T) {
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			got := make(chan []byte, 1)
+			go func() {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(10 * time.Second))
+				buf := make([]byte, len(tc.want)+len("payload"))
+				n, _ := io.ReadFull(c, buf)
+				got <- buf[:n]
+				c.Write([]byte("ok"))
+			}()
+			node := newFakeNode(t, "secret", nodeOptions{})
+			startAgent(t, testConfig(node.addr, "secret",
+				Upstream{ListenPort: 16379, Target: "tcp://" + l.Addr().String(), ProxyProtocol: tc.version}))
+			ns := node.next(t)
+			c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: ":16379", RemoteAddr: "203.0.113.7:5555", LocalAddr: "198.51.100.1:16379"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			c.Write([]byte("payload"))
+			select {
+			case b := <-got:
+				want := append(append([]byte{}, tc.want...), "payload"...)
+				if string(b) != string(want) {
+					t.Fatalf("upstream read\n% x\nwant\n% x", b, want)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("upstream read nothing")
+			}
+			if b, err := io.ReadAll(c); err != nil || string(b) != "ok" {
+				t.Fatalf("reply %q %v", b, err)
+			}
+		})
+	}
+}
+
+func TestHTTPSUpstream(t *testing.T) {
+	up := helloServer(t, true)
+	target := "https://" + up.Listener.Addr().String()
+	node := newFakeNode(t, "secret", nodeOptions{})
+	startAgent(t, testConfig(node.addr, "secret",
+		Upstream{Name: "secure", Host: "secure.test", Target: target, InsecureSkipVerify: true},
+		Upstream{Name: "strict", Host: "strict.test", Target: target}))
+	ns := node.next(t)
+
+	c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "secure"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, body := httpGet(t, c, "app.test", "/tls")
+	c.Close()
+	if resp.StatusCode != 200 || body != "hello app.test /tls" {
+		t.Fatalf("response %d %q", resp.StatusCode, body)
+	}
+
+	c, err = ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "strict"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pe := peerError(t, c)
+	if pe.Code != tunnelpb.Error_DIAL_FAILED || !strings.Contains(pe.Message, "certificate") {
+		t.Fatalf("got %v", pe)
+	}
+}
+
+// testPKI makes a CA and a server certificate for 127.0.0.1 signed by it.
+func testPKI(t testing.TB) (caPEM []byte, cert tls.Certificate) {
+	t.Helper()
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caTmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "sluice test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, _ := x509.ParseCertificate(caDER)
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "127.0.0.1"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
+		KeyUsage:    x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
+		tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+func TestGRPCSWithCAFile(t *testing.T) {
+	caPEM, cert := testPKI(t)
+	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}})
+	node := newFakeNode(t, "secret", nodeOptions{creds: creds})
+	cfg := testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"})
+	cfg.Server = "grpcs://" + node.addr
+	cfg.CAFile = writeFile(t, "ca.pem", string(caPEM))
+	ag := startAgent(t, cfg)
+	node.next(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := ag.WaitConnected(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// Without the CA the handshake fails and the agent keeps retrying.
+	cfg2 := testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"})
+	cfg2.Server = "grpcs://" + node.addr
+	ag2 := startAgent(t, cfg2)
+	waitFor(t, 10*time.Second, "a certificate failure line", func() bool {
+		return hasLog(ag2.logs, "connection failed; retrying", "reason", "certificate")
+	})
+}
+
+func TestNewRejectsBadConfig(t *testing.T) {
+	cfg := testConfig("127.0.0.1:1", "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"})
+	cfg.Server = "grpcs://127.0.0.1:1"
+	cfg.CAFile = writeFile(t, "ca.pem", "not a certificate")
+	if _, err := New(cfg, zap.NewNop()); err == nil || !strings.Contains(err.Error(), "ca_file") {
+		t.Fatalf("New: %v", err)
+	}
+	if err := Run(context.Background(), cfg, nil); err == nil {
+		t.Fatal("Run accepted a bad CA file")
+	}
+}

@@ -1,0 +1,277 @@
+package integration
+
+import (
+	"crypto/tls"
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/coder/websocket"
+	"golang.org/x/net/http2"
+
+	"github.com/sluice-tunnel/sluice/agent"
+	"github.com/sluice-tunnel/sluice/internal/sampleupstream"
+)
+
+// startUpstream serves the sample application on loopback.
+func startUpstream(t testing.TB, name string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := sampleupstream.Server(sampleupstream.Handler(name))
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return "http://" + ln.Addr().String()
+}
+
+// siteAll proxies every host on the plain HTTP port, with h2c allowed.
+const siteAll = `http://:{HTTP} {
+	sluice
+}`
+
+
+func TestHTTPRequestsThroughTunnel(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+
+	t.Run("curl GET keeps Host and sets X-Forwarded", func(t *testing.T) {
+		curl := needCommand(t, "curl")
+		out, err := exec.Command(curl, "-sS", "--max-time", "20", "-H", "Host: app.test", c.url("/headers")).CombinedOutput()
+		if err != nil {
+			t.Fatalf("curl: %v: %s", err, out)
+		}
+		s := string(out)
+		if !strings.Contains(s, "Host: app.test") || !strings.Contains(s, "X-Forwarded-For: 127.0.0.1") || !strings.Contains(s, "X-Forwarded-Proto: http") {
+			t.Fatalf("upstream saw:\n%s", s)
+		}
+	})
+
+	t.Run("POST 50 MiB streamed, checksum intact", func(t *testing.T) {
+		const size = 50 << 20
+		h := sha256.New()
+		io.Copy(h, sampleupstream.Pattern(size))
+		want := fmt.Sprintf("%d %s\n", size, hex.EncodeToString(h.Sum(nil)))
+		req, _ := http.NewRequest("POST", c.url("/upload"), sampleupstream.Pattern(size))
+		req.Host = "app.test"
+		req.ContentLength = -1 // chunked upload
+		resp, err := hostClient().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(got) != want {
+			t.Fatalf("status %d, body %q, want %q", resp.StatusCode, got, want)
+		}
+	})
+
+	t.Run("200 MiB download, checksum intact", func(t *testing.T) {
+		const size = 200 << 20
+		checkDownload(t, c, "app.test", size)
+	})
+
+	t.Run("HTTP/1.1 keep-alive reuses one client connection", func(t *testing.T) {
+		client := &http.Client{Transport: &http.Transport{MaxConnsPerHost: 1}}
+		reused := 0
+		for i := 0; i < 5; i++ {
+			req, _ := http.NewRequest("GET", c.url("/"), nil)
+			req.Host = "app.test"
+			trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+				if info.Reused {
+					reused++
+				}
+			}}
+			req = req.WithContext(httptrace.WithClientTrace(req.Context(), trace))
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Fatalf("status %d", resp.StatusCode)
+			}
+		}
+		if reused != 4 {
+			t.Fatalf("reused the connection %d times of 4", reused)
+		}
+	})
+
+	t.Run("h2c prior knowledge at Caddy", func(t *testing.T) {
+		client := &http.Client{Transport: &http2.Transport{
+			AllowHTTP: true,
+			DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
+				return (&net.Dialer{}).DialContext(ctx, network, addr)
+			},
+		}}
+		req, _ := http.NewRequest("GET", c.url("/"), nil)
+		req.Host = "app.test"
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.ProtoMajor != 2 || !strings.Contains(string(b), "Hello from app") {
+			t.Fatalf("proto %s, body %q", resp.Proto, b)
+		}
+	})
+}
+
+func checkDownload(t testing.TB, c *caddyServer, host string, size int64) {
+	t.Helper()
+	h := sha256.New()
+	io.Copy(h, sampleupstream.Pattern(size))
+	want := h.Sum(nil)
+	req, _ := http.NewRequest("GET", c.url(fmt.Sprintf("/download?size=%d", size)), nil)
+	req.Host = host
+	resp, err := hostClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	h.Reset()
+	n, err := io.Copy(h, resp.Body)
+	if err != nil || n != size || !bytes.Equal(h.Sum(nil), want) || resp.StatusCode != 200 {
+		t.Fatalf("download: status %d, %d of %d bytes, err %v, checksum ok %v", resp.StatusCode, n, size, err, bytes.Equal(h.Sum(nil), want))
+	}
+}
+
+func TestHTTPSH2AtCaddy(t *testing.T) {
+	curl := needCommand(t, "curl")
+	c := startCaddy(t, `app.test {
+	tls internal
+	sluice
+}`)
+	up := startUpstream(t, "app")
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	url := fmt.Sprintf("https://app.test:%d/", c.httpsPort)
+	resolve := fmt.Sprintf("app.test:%d:127.0.0.1", c.httpsPort)
+	var out []byte
+	// The internal certificate is issued just after start: retry briefly.
+	eventually(t, 15*time.Second, "HTTPS answer", func() bool {
+		var err error
+		out, err = exec.Command(curl, "-sSk", "--http2", "--max-time", "5", "--resolve", resolve, "-w", "\nversion=%{http_version}", url).CombinedOutput()
+		return err == nil
+	})
+	s := string(out)
+	if !strings.Contains(s, "Hello from app: host=app.test") || !strings.Contains(s, "version=2") {
+		t.Fatalf("curl over h2:\n%s", s)
+	}
+}
+
+func TestHostRoutingAndUnknownHost(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	upA, upB, upW, upC := startUpstream(t, "A"), startUpstream(t, "B"), startUpstream(t, "wild"), startUpstream(t, "catchall")
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "a.test", Target: upA})
+	startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "b.test", Target: upB},
+		agent.Upstream{HostPattern: `[a-z]+\.wild\.test`, Target: upW})
+	for _, tc := range []struct{ host, want string }{
+		{"a.test", "Hello from A"},
+		{"b.test", "Hello from B"},
+		{"x.wild.test", "Hello from wild"},
+		{"A.TEST:8080", "Hello from A"},
+	} {
+		if code, body := get(t, c, tc.host, "/"); code != 200 || !strings.Contains(body, tc.want) {
+			t.Errorf("%s: %d %q, want %q", tc.host, code, body, tc.want)
+		}
+	}
+	// A pattern matches the whole host only.
+	code, body := get(t, c, "x.wild.test.evil", "/")
+	if code != 503 || !strings.Contains(body, "no sluice agent is connected for x.wild.test.evil") {
+		t.Fatalf("unknown host: %d %q", code, body)
+	}
+	// The catch-all route takes what no other route serves.
+	startAgent(t, c.serverURL(), "agent-c", agent.Upstream{Host: "*", Target: upC})
+	if code, body := get(t, c, "anything.test", "/"); code != 200 || !strings.Contains(body, "Hello from catchall") {
+		t.Fatalf("catch-all: %d %q", code, body)
+	}
+	if _, body := get(t, c, "a.test", "/"); !strings.Contains(body, "Hello from A") {
+		t.Fatalf("exact route must win over catch-all: %q", body)
+	}
+}
+
+func TestWebSocketAndSSE(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+
+	t.Run("WebSocket echo of 1000 messages", func(t *testing.T) {
+		ws := dialWS(t, c, "app.test")
+		defer ws.CloseNow()
+		echoWS(t, ws, 1000)
+		ws.Close(websocket.StatusNormalClosure, "")
+	})
+	t.Run("SSE events arrive one by one", func(t *testing.T) {
+		req, _ := http.NewRequest("GET", c.url("/sse?n=5&every=300ms"), nil)
+		req.Host = "app.test"
+		req.Header.Set("Accept", "text/event-stream")
+		start := time.Now()
+		resp, err := hostClient().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream; charset=utf-8" {
+			t.Fatalf("Content-Type %q", ct)
+		}
+		r := bufio.NewReader(resp.Body)
+		var arrivals []time.Duration
+		for len(arrivals) < 5 {
+			line, err := r.ReadString('\n')
+			if err != nil {
+				t.Fatalf("after %d events: %v", len(arrivals), err)
+			}
+			if strings.HasPrefix(line, "data: ") {
+				arrivals = append(arrivals, time.Since(start))
+			}
+		}
+		// The upstream needs 1.2 s for all five: the first must arrive well
+		// before the last was written, or the stream was buffered.
+		if arrivals[0] >= arrivals[4]-600*time.Millisecond {
+			t.Fatalf("events were coalesced: arrivals %v", arrivals)
+		}
+	})
+}
+
+func dialWS(t testing.TB, c *caddyServer, host string) *websocket.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ws, _, err := websocket.Dial(ctx, strings.Replace(c.url("/ws"), "http", "ws", 1), &websocket.DialOptions{Host: host})
+	if err != nil {
+		t.Fatalf("websocket dial: %v", err)
+	}
+	return ws
+}
+
+func echoWS(t testing.TB, ws *websocket.Conn, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for i := 0; i < n; i++ {
+		msg := fmt.Sprintf("message %d", i)
+		if err := ws.Write(ctx, websocket.MessageText, []byte(msg)); err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+		_, got, err := ws.Read(ctx)
+		if err != nil || string(got) != msg {
+			t.Fatalf("read %d: %q, %v", i, got, err)
+		}
+	}
+}
+
