@@ -107,10 +107,11 @@ func WithBackoff(initial, max time.Duration) Option {
 // upstreams, serves the connections the node opens, and reconnects with
 // backoff whenever the session ends.
 type Agent struct {
-	cfg   *Config
-	log   *zap.Logger
-	creds credentials.TransportCredentials
-	conn  *connector
+	cfg      *Config
+	log      *zap.Logger
+	creds    credentials.TransportCredentials
+	conn     *connector
+	sessions atomic.Int64 // sessions acknowledged so far
 
 	backoffInitial, backoffMax time.Duration
 	ackTimeout                 time.Duration
@@ -231,7 +232,12 @@ func (a *Agent) ActiveConns() int { return a.conn.Active() }
 
 func (a *Agent) setState(s State) { a.state.Store(int32(s)) }
 
+// Sessions returns how many sessions the node has acknowledged since the
+// agent started: it grows by one with every reconnect.
+func (a *Agent) Sessions() int64 { return a.sessions.Load() }
+
 func (a *Agent) markConnected(nodeID string) {
+	a.sessions.Add(1)
 	a.mu.Lock()
 	a.nodeID = nodeID
 	a.setState(StateConnected) // before the channel closes, so waiters see it

@@ -213,3 +213,11 @@ func needCommand(t testing.TB, name string) string {
 func insecureTLS(serverName string) *tls.Config {
 	return &tls.Config{InsecureSkipVerify: true, ServerName: serverName}
 }
+
+// caddyStop stops the running config as a process exit would.
+func caddyStop(t testing.TB) {
+	t.Helper()
+	if err := caddy.Stop(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,11 +1,11 @@
 package integration
 
 import (
-	"crypto/tls"
 	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -41,7 +41,6 @@ func startUpstream(t testing.TB, name string) string {
 const siteAll = `http://:{HTTP} {
 	sluice
 }`
-
 
 func TestHTTPRequestsThroughTunnel(t *testing.T) {
 	c := startCaddy(t, siteAll)
@@ -274,4 +273,3 @@ func echoWS(t testing.TB, ws *websocket.Conn, n int) {
 		}
 	}
 }
-

@@ -1,0 +1,135 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/sluice-tunnel/sluice/agent"
+)
+
+func TestAgentGoneAnswers503AndComesBack(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	a := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("status %d", code)
+	}
+	a.stop()
+	// Requests get 503 within a second, without hanging.
+	start := time.Now()
+	eventually(t, time.Second, "503 after the agent stopped", func() bool {
+		code, _ := get(t, c, "app.test", "/")
+		return code == http.StatusServiceUnavailable
+	})
+	t.Logf("503 after %v", time.Since(start))
+
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "Hello from app") {
+		t.Fatalf("after restart: %d %q", code, body)
+	}
+}
+
+func TestUpstreamDownIs502WithReason(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "down.test", Target: fmt.Sprintf("http://127.0.0.1:%d", freePort(t))})
+	if code, _ := get(t, c, "down.test", "/"); code != http.StatusBadGateway {
+		t.Fatalf("status %d, want 502", code)
+	}
+}
+
+func TestCaddyRestartAgentReconnects(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	a := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	caddyStop(t)
+	eventually(t, 10*time.Second, "agent notices the node is gone", func() bool { return a.State() != agent.StateConnected })
+	c.load(siteAll) // a fresh Caddy on the same ports
+	eventually(t, 15*time.Second, "agent reconnects by itself", func() bool {
+		code, _ := get(t, c, "app.test", "/")
+		return code == 200
+	})
+}
+
+func TestWrongTokenIsRejectedAndRetried(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	a := launchAgent(t, c.serverURL(), "agent-bad", "not-the-token", agent.Upstream{Host: "app.test", Target: up})
+	// It never connects, keeps retrying, and the host stays unserved.
+	eventually(t, 10*time.Second, "agent retrying after rejection", func() bool { return a.State() == agent.StateRetrying })
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	if err := a.WaitConnected(ctx); err == nil {
+		t.Fatal("agent with a wrong token connected")
+	}
+	if code, _ := get(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
+		t.Fatalf("status %d, want 503", code)
+	}
+}
+
+func TestReconnectDisplacesOldSession(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	upOld, upNew := startUpstream(t, "first"), startUpstream(t, "second")
+	first := startAgent(t, c.serverURL(), "same-id", agent.Upstream{Host: "app.test", Target: upOld})
+	startAgent(t, c.serverURL(), "same-id", agent.Upstream{Host: "app.test", Target: upNew})
+	if _, body := get(t, c, "app.test", "/"); !strings.Contains(body, "Hello from second") {
+		t.Fatalf("newer session must serve: %q", body)
+	}
+	first.stop() // the displaced session's late end must not evict the new one
+	for i := 0; i < 20; i++ {
+		if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "Hello from second") {
+			t.Fatalf("request %d after the first agent stopped: %d %q", i, code, body)
+		}
+	}
+}
+
+func TestReloadKeepsInFlightDownloadAndWebSocket(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	a := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	sessions := a.Sessions()
+
+	// A 200 MiB download read slowly enough to span the reload.
+	const size = 200 << 20
+	req, _ := http.NewRequest("GET", c.url(fmt.Sprintf("/download?size=%d", size)), nil)
+	req.Host = "app.test"
+	resp, err := hostClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	firstChunk := make([]byte, 1<<20)
+	if _, err := io.ReadFull(resp.Body, firstChunk); err != nil {
+		t.Fatal(err)
+	}
+	ws := dialWS(t, c, "app.test")
+	defer ws.CloseNow()
+	echoWS(t, ws, 10)
+
+	// Reload with a changed config: a new site.
+	c.load(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
+
+	if code, body := get(t, c, "extra.test", "/"); code != 200 || body != "new site" {
+		t.Fatalf("new config not active: %d %q", code, body)
+	}
+	rest, err := io.Copy(io.Discard, resp.Body)
+	if err != nil || int64(len(firstChunk))+rest != size {
+		t.Fatalf("download across reload: %d of %d bytes, %v", int64(len(firstChunk))+rest, size, err)
+	}
+	echoWS(t, ws, 100)
+	ws.Close(websocket.StatusNormalClosure, "")
+
+	if a.Sessions() != sessions || a.State() != agent.StateConnected {
+		t.Fatalf("the reload reconnected the agent: sessions %d→%d, state %v", sessions, a.Sessions(), a.State())
+	}
+	// And the tunnel still serves new requests under the new config.
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("after reload: %d", code)
+	}
+}
