@@ -1,0 +1,134 @@
+package integration
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// caddyBinary returns the xcaddy-built Caddy named by SLUICE_CADDY_BIN
+// (test.sh builds it with ./xcaddy.sh). Without it the binary tests skip,
+// except in CI, where they must run.
+func caddyBinary(t *testing.T) string {
+	t.Helper()
+	bin := os.Getenv("SLUICE_CADDY_BIN")
+	if bin == "" {
+		if os.Getenv("CI") != "" {
+			t.Fatal("SLUICE_CADDY_BIN is required in CI (test.sh sets it)")
+		}
+		t.Skip("SLUICE_CADDY_BIN not set; run ./test.sh or ./xcaddy.sh")
+	}
+	abs, err := filepath.Abs(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return abs
+}
+
+// buildAgent builds the sluice-agent binary.
+func buildAgent(t *testing.T) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "sluice-agent")
+	cmd := exec.Command("go", "build", "-o", out, "../agent/cmd/sluice-agent")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building sluice-agent: %v\n%s", err, b)
+	}
+	return out
+}
+
+// startProcess runs a command until the test ends, keeping its output for
+// failure messages.
+func startProcess(t *testing.T, name string, args ...string) *bytes.Buffer {
+	t.Helper()
+	var out bytes.Buffer
+	cmd := exec.Command(name, args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+		if t.Failed() {
+			t.Logf("%s output:\n%s", filepath.Base(name), out.String())
+		}
+	})
+	return &out
+}
+
+// TestXcaddyBinarySmoke: the real binary lists the sluice modules and one
+// request goes through it and the real sluice-agent binary.
+func TestXcaddyBinarySmoke(t *testing.T) {
+	caddyBin := caddyBinary(t)
+	curl := needCommand(t, "curl")
+	mods, err := exec.Command(caddyBin, "list-modules").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []string{"sluice", "http.handlers.sluice", "http.reverse_proxy.upstreams.sluice", "http.reverse_proxy.transport.sluice"} {
+		if !strings.Contains("\n"+string(mods), "\n"+m+"\n") {
+			t.Fatalf("list-modules lacks %s", m)
+		}
+	}
+
+	httpPort, controlPort := freePort(t), freePort(t)
+	dir := t.TempDir()
+	caddyfile := filepath.Join(dir, "Caddyfile")
+	os.WriteFile(caddyfile, []byte(fmt.Sprintf(`{
+	admin off
+	persist_config off
+	auto_https off
+	storage file_system %s
+	sluice {
+		listen 127.0.0.1:%d
+		token smoke-token
+	}
+}
+
+http://:%d {
+	bind 127.0.0.1
+	sluice
+}
+`, filepath.Join(dir, "data"), controlPort, httpPort)), 0o644)
+	startProcess(t, caddyBin, "run", "--config", caddyfile, "--adapter", "caddyfile")
+	up := startUpstream(t, "smoke")
+	startProcess(t, buildAgent(t), "-server", fmt.Sprintf("grpc://127.0.0.1:%d", controlPort),
+		"-token", "smoke-token", "-id", "smoke-agent", "-upstream", "smoke.test="+up)
+
+	var out []byte
+	eventually(t, 20*time.Second, "a request through the binaries", func() bool {
+		out, err = exec.Command(curl, "-sS", "--max-time", "5", "-H", "Host: smoke.test", fmt.Sprintf("http://127.0.0.1:%d/", httpPort)).Output()
+		return err == nil && strings.Contains(string(out), "Hello from smoke")
+	})
+}
+
+// TestReadmeDemoCommand runs the README's demo command the way a newcomer
+// would, in its self-checking mode, on free ports.
+func TestReadmeDemoCommand(t *testing.T) {
+	caddyBin := caddyBinary(t)
+	needCommand(t, "curl")
+	cmd := exec.Command("../demo/run.sh", "--check")
+	cmd.Env = append(os.Environ(),
+		"DEMO_WORK="+t.TempDir(),
+		fmt.Sprintf("DEMO_HTTP_PORT=%d", freePort(t)),
+		fmt.Sprintf("DEMO_CONTROL_PORT=%d", freePort(t)),
+		fmt.Sprintf("DEMO_UPSTREAM_PORT=%d", freePort(t)),
+		"DEMO_CADDY_BIN="+caddyBin,
+	)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "Hello from the private upstream") {
+		t.Fatalf("demo/run.sh --check: %v\n%s", err, out)
+	}
+}

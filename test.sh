@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every test: builds Caddy with sluice (./xcaddy.sh) for the binary and
+# demo tests, then vet and the race-enabled test suite.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+echo "==> gofmt"
+unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+if [ -n "$unformatted" ]; then
+	echo "gofmt needed on:"; echo "$unformatted"; exit 1
+fi
+echo "==> go vet"
+go vet ./...
+echo "==> building Caddy with sluice (xcaddy)"
+OUTPUT="$PWD/caddy" ./xcaddy.sh
+echo "==> go test -race"
+SLUICE_CADDY_BIN="$PWD/caddy" go test -race -count=1 -timeout 20m ./... "$@"
