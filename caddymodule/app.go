@@ -54,9 +54,25 @@ type App struct {
 	// Advertise before it is failed with DEADLINE_EXCEEDED. Default 10s.
 	AdvertiseTimeout caddy.Duration `json:"advertise_timeout,omitempty"`
 
-	token  string
-	node   *node
-	logger *zap.Logger
+	// TCPPortRange is the range of ports ("16000-16999") agents may claim
+	// with listen-port routes; the app binds each claimed port while its
+	// agent is connected. Unset: the app binds none, and listen-port routes
+	// are served only by layer4 servers of the config that route by port.
+	TCPPortRange string `json:"tcp_port_range,omitempty"`
+
+	// TCPBind is the host the claimed ports bind on. Default: all
+	// interfaces.
+	TCPBind string `json:"tcp_bind,omitempty"`
+
+	// VerbatimIdleTimeout closes a relayed TCP connection (layer4 or a
+	// claimed port) that moved no byte in either direction for this long,
+	// unless its route sets its own. Default 0: off.
+	VerbatimIdleTimeout caddy.Duration `json:"verbatim_idle_timeout,omitempty"`
+
+	token     string
+	portRange portRange
+	node      *node
+	logger    *zap.Logger
 }
 
 // CaddyModule returns the Caddy module information.
@@ -82,6 +98,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.token = token
+	if a.portRange, err = parsePortRange(a.TCPPortRange); err != nil {
+		return fmt.Errorf("sluice: %w", err)
+	}
 	creds, err := a.transportCredentials()
 	if err != nil {
 		return err
@@ -119,6 +138,9 @@ func (a *App) Validate() error {
 	}
 	if a.AdvertiseTimeout < 0 {
 		return errors.New("sluice: advertise_timeout must not be negative")
+	}
+	if a.VerbatimIdleTimeout < 0 {
+		return errors.New("sluice: verbatim_idle_timeout must not be negative")
 	}
 	return nil
 }
@@ -186,7 +208,12 @@ func (a *App) generatedToken() (string, error) {
 func (a *App) Start() error {
 	a.node.token.Store(&a.token)
 	a.node.logger.Store(a.logger)
-	a.node.opts.Store(&nodeOptions{advertiseTimeout: time.Duration(a.AdvertiseTimeout)})
+	a.node.opts.Store(&nodeOptions{
+		advertiseTimeout:    time.Duration(a.AdvertiseTimeout),
+		portRange:           a.portRange,
+		tcpBind:             a.TCPBind,
+		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
+	})
 	return nil
 }
 

@@ -26,6 +26,9 @@ func init() {
 //	    token_file        <path>
 //	    tls               <cert_file> <key_file>   # serve grpcs://
 //	    advertise_timeout <duration>
+//	    tcp_port_range    <lo>-<hi>        # ports agents may claim (listen-port routes)
+//	    tcp_bind          <host>           # where claimed ports bind (default all)
+//	    verbatim_idle_timeout <duration>   # close relayed TCP idle this long (default off)
 //	}
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -67,13 +70,17 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			a.TLSCertFile, a.TLSKeyFile = args[0], args[1]
 		case "advertise_timeout":
-			var s string
-			if err = singleArg(d, &s); err == nil {
-				var dur caddy.Duration
-				if dur, err = parseDuration(d, opt, s); err == nil {
-					a.AdvertiseTimeout = dur
+			err = durationArg(d, &a.AdvertiseTimeout)
+		case "verbatim_idle_timeout":
+			err = durationArg(d, &a.VerbatimIdleTimeout)
+		case "tcp_port_range":
+			if err = singleArg(d, &a.TCPPortRange); err == nil {
+				if _, perr := parsePortRange(a.TCPPortRange); perr != nil {
+					err = d.Errf("sluice: %v", perr)
 				}
 			}
+		case "tcp_bind":
+			err = singleArg(d, &a.TCPBind)
 		default:
 			return d.Errf("sluice: unrecognized option %q", opt)
 		}
@@ -96,12 +103,18 @@ func singleArg(d *caddyfile.Dispenser, dst *string) error {
 	return nil
 }
 
-func parseDuration(d *caddyfile.Dispenser, opt, s string) (caddy.Duration, error) {
+func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
+	opt := d.Val()
+	var s string
+	if err := singleArg(d, &s); err != nil {
+		return err
+	}
 	dur, err := caddy.ParseDuration(s)
 	if err != nil {
-		return 0, d.Errf("sluice: %s: %v", opt, err)
+		return d.Errf("sluice: %s: %v", opt, err)
 	}
-	return caddy.Duration(dur), nil
+	*dst = caddy.Duration(dur)
+	return nil
 }
 
 // parseHandlerDirective sets up the sluice handler. It takes every

@@ -34,6 +34,7 @@ type node struct {
 	listener net.Listener
 	server   *grpc.Server
 	reg      *registry
+	ports    *portManager
 	budget   *tunnelcore.Budget
 	id       string
 
@@ -49,7 +50,10 @@ type node struct {
 
 // nodeOptions are the settings the current config gives the node.
 type nodeOptions struct {
-	advertiseTimeout time.Duration
+	advertiseTimeout    time.Duration
+	portRange           portRange     // ports agents may claim; zero: the node binds none
+	tcpBind             string        // host the claimed ports bind on ("" = all)
+	verbatimIdleTimeout time.Duration // default idle bound of relayed TCP connections; 0 = off
 }
 
 // nodeKey identifies a node in the pool.
@@ -65,6 +69,7 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 		onSession: map[any]func(){},
 		serveDone: make(chan struct{}),
 	}
+	n.ports = newPortManager(n)
 	n.logger.Store(logger)
 	n.opts.Store(&nodeOptions{advertiseTimeout: 10 * time.Second})
 	opts := []grpc.ServerOption{
@@ -96,6 +101,7 @@ func (n *node) Destruct() error {
 	for _, a := range n.reg.sessions() {
 		a.sess.CloseWithError(errors.New("sluice node shut down"))
 	}
+	n.ports.closeAll()
 	n.server.Stop()
 	<-n.serveDone
 	n.log().Info("sluice control plane closed", zap.String("listen", n.addr))
@@ -146,7 +152,9 @@ func (n *node) authorize(ctx context.Context) error {
 	md, _ := metadata.FromIncomingContext(ctx)
 	var got string
 	if v := md.Get("authorization"); len(v) > 0 {
-		got, _ = strings.CutPrefix(v[0], "Bearer ")
+		if t, ok := strings.CutPrefix(v[0], "Bearer "); ok {
+			got = t
+		}
 	}
 	want := n.token.Load()
 	if want == nil || *want == "" || got == "" ||
@@ -192,7 +200,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		return status.Error(codes.Internal, err.Error())
 	}
 	a.sess = sess
-	entries, rejected := validateRoutes(adv.GetRoutes())
+	entries, rejected := n.admit(a, adv.GetRoutes())
 	if old := n.reg.register(a, entries); old != nil {
 		n.log().Info("agent session replaced by a newer stream", zap.String("agent", a.agentID),
 			zap.String("old_remote", old.remote), zap.String("remote", remote))
@@ -210,6 +218,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		n.log().Info("agent disconnected", zap.String("agent", a.agentID), zap.String("remote", remote),
 			zap.NamedError("reason", sess.Err()))
 	}
+	n.releasePorts(a.currentRoutes(&n.reg.mu))
 	n.sessionEnded()
 	return nil
 }
@@ -267,8 +276,10 @@ func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
 func (n *node) onControl(a *agentSession, f *tunnelpb.Frame) {
 	switch k := f.GetKind().(type) {
 	case *tunnelpb.Frame_Advertise:
-		entries, rejected := validateRoutes(k.Advertise.GetRoutes())
+		old := a.currentRoutes(&n.reg.mu)
+		entries, rejected := n.admit(a, k.Advertise.GetRoutes())
 		n.reg.reroute(a, entries)
+		n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
 		n.sendAck(a, rejected)
 	case *tunnelpb.Frame_Error:
 		n.log().Warn("agent reported an error", zap.String("agent", a.agentID), zap.String("message", k.Error.GetMessage()))
@@ -283,4 +294,35 @@ func names(es []*routeEntry) []string {
 		out[i] = routeName(e.route)
 	}
 	return out
+}
+
+// admit validates an agent's routes and claims the ports of its listen-port
+// routes. Routes it cannot take are returned as rejected, with the reason.
+func (n *node) admit(a *agentSession, routes []*tunnelpb.Route) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
+	entries, rejected := validateRoutes(routes)
+	opts := n.opts.Load()
+	kept := entries[:0]
+	for _, e := range entries {
+		e.agent = a
+		if e.route.GetListenPort() == 0 {
+			kept = append(kept, e)
+			continue
+		}
+		if err := n.ports.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
+			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route), ListenPort: e.route.GetListenPort(), Reason: err.Error()})
+			n.log().Warn("agent port route rejected", zap.String("agent", a.agentID), zap.Uint32("port", e.route.GetListenPort()), zap.Error(err))
+			continue
+		}
+		kept = append(kept, e)
+	}
+	return kept, rejected
+}
+
+// releasePorts gives up the port claims of routes.
+func (n *node) releasePorts(routes []*routeEntry) {
+	for _, e := range routes {
+		if e.route.GetListenPort() != 0 {
+			n.ports.release(e)
+		}
+	}
 }

@@ -45,6 +45,16 @@ func (e *routeEntry) httpRoutable() bool {
 	return e.route.GetListenPort() == 0 && !e.route.GetTlsPassthrough()
 }
 
+// sniRoutable reports whether the route takes raw TCP connections by TLS
+// server name: passthrough routes, and host routes whose target is tcp://
+// (TLS terminated by Caddy's layer4 tls handler).
+func (e *routeEntry) sniRoutable() bool {
+	if e.route.GetListenPort() != 0 || (e.route.GetHost() == "" && e.pattern == nil) {
+		return false
+	}
+	return e.route.GetTlsPassthrough() || strings.HasPrefix(e.route.GetTarget(), "tcp://")
+}
+
 // routeTable is an immutable snapshot of every route; a new one is built on
 // each registration change and swapped in atomically.
 type routeTable struct {
@@ -52,6 +62,11 @@ type routeTable struct {
 	patterns []*routeEntry            // ordered by agent id, then advertise order
 	catchAll []*routeEntry            // ordered by agent id
 	byDial   map[string]*routeEntry
+
+	sniExact    map[string][]*routeEntry // TCP routes by server name
+	sniPatterns []*routeEntry
+	byPort      map[uint32][]*routeEntry // listen-port routes
+	byName      map[string][]*routeEntry // every route by name
 }
 
 // registry holds the agent sessions of one node, by agent id.
@@ -92,8 +107,12 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 			}
 			e.pattern = re
 		}
-		if rt.GetListenPort() != 0 {
-			reject("listen_port routes are not enabled on this node")
+		if rt.GetListenPort() != 0 && (rt.GetHost() != "" || rt.GetHostPattern() != "" || rt.GetTlsPassthrough()) {
+			reject("listen_port cannot be combined with host, host_pattern or tls_passthrough")
+			continue
+		}
+		if rt.GetListenPort() > 65535 {
+			reject("listen_port above 65535")
 			continue
 		}
 		ok = append(ok, e)
@@ -157,10 +176,27 @@ func (r *registry) rebuildLocked() {
 
 func buildTable(agents []*agentSession) *routeTable {
 	slices.SortFunc(agents, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
-	t := &routeTable{exact: map[string][]*routeEntry{}, byDial: map[string]*routeEntry{}}
+	t := &routeTable{
+		exact:    map[string][]*routeEntry{},
+		byDial:   map[string]*routeEntry{},
+		sniExact: map[string][]*routeEntry{},
+		byPort:   map[uint32][]*routeEntry{},
+		byName:   map[string][]*routeEntry{},
+	}
 	for _, a := range agents {
 		for _, e := range a.routes {
 			t.byDial[e.dial] = e
+			t.byName[routeName(e.route)] = append(t.byName[routeName(e.route)], e)
+			if p := e.route.GetListenPort(); p != 0 {
+				t.byPort[p] = append(t.byPort[p], e)
+			}
+			if e.sniRoutable() {
+				if h := e.route.GetHost(); h != "" {
+					t.sniExact[strings.ToLower(h)] = append(t.sniExact[strings.ToLower(h)], e)
+				} else {
+					t.sniPatterns = append(t.sniPatterns, e)
+				}
+			}
 			if !e.httpRoutable() {
 				continue
 			}
@@ -195,6 +231,34 @@ func (t *routeTable) lookupHTTP(host string) []*routeEntry {
 		return out
 	}
 	return t.catchAll
+}
+
+// lookupSNI returns the TCP routes for a TLS server name: exact hosts
+// first, then patterns, ordered by agent id.
+func (t *routeTable) lookupSNI(name string) []*routeEntry {
+	name = strings.TrimSuffix(strings.ToLower(name), ".")
+	if es := t.sniExact[name]; len(es) > 0 {
+		return es
+	}
+	var out []*routeEntry
+	for _, e := range t.sniPatterns {
+		if e.pattern.MatchString(name) {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// lookupName returns the routes named name (or, failing that, serving the
+// host name), ordered by agent id.
+func (t *routeTable) lookupName(name string) []*routeEntry {
+	if es := t.byName[name]; len(es) > 0 {
+		return es
+	}
+	if es := t.exact[strings.ToLower(name)]; len(es) > 0 {
+		return es
+	}
+	return t.lookupSNI(name)
 }
 
 // byDialAddress finds the route a dial address names ("r0.s3.sluice:80").
@@ -247,4 +311,11 @@ func (r *registry) reroute(a *agentSession, entries []*routeEntry) {
 	if r.agents[a.agentID] == a {
 		r.rebuildLocked()
 	}
+}
+
+// currentRoutes returns a's routes under the registry lock.
+func (a *agentSession) currentRoutes(mu *sync.Mutex) []*routeEntry {
+	mu.Lock()
+	defer mu.Unlock()
+	return a.routes
 }

@@ -22,11 +22,15 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/caddypki"
 	_ "github.com/caddyserver/caddy/v2/modules/caddytls"
 	_ "github.com/caddyserver/caddy/v2/modules/filestorage"
+	_ "github.com/mholt/caddy-l4/layer4"
+	_ "github.com/mholt/caddy-l4/modules/l4proxyprotocol"
+	_ "github.com/mholt/caddy-l4/modules/l4tls"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/sluice-tunnel/sluice/agent"
 	_ "github.com/sluice-tunnel/sluice/caddymodule"
+	_ "github.com/sluice-tunnel/sluice/l4module"
 )
 
 const testToken = "integration-test-token"

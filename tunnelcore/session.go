@@ -280,7 +280,11 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 	if s.cfg.Role == RoleAgent {
 		peerParity = 0
 	}
-	if id == 0 || id%2 != peerParity {
+	if id == 0 {
+		s.cfg.Logger.Warn("tunnel peer sent Connect with connection id 0; ignored")
+		return
+	}
+	if id%2 != peerParity {
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d is not in the opener's id space", id))
 		return
 	}

@@ -1,0 +1,168 @@
+package caddymodule
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+
+	"go.uber.org/zap"
+)
+
+// portRange is an inclusive range of TCP ports agents may claim.
+type portRange struct{ lo, hi uint32 }
+
+func (r portRange) contains(p uint32) bool { return r.lo != 0 && p >= r.lo && p <= r.hi }
+
+func (r portRange) String() string {
+	if r.lo == 0 {
+		return "unset"
+	}
+	return fmt.Sprintf("%d-%d", r.lo, r.hi)
+}
+
+// parsePortRange parses "16000-16999" or a single port.
+func parsePortRange(s string) (portRange, error) {
+	if s == "" {
+		return portRange{}, nil
+	}
+	lo, hi, found := strings.Cut(s, "-")
+	if !found {
+		hi = lo
+	}
+	l, err1 := strconv.ParseUint(strings.TrimSpace(lo), 10, 16)
+	h, err2 := strconv.ParseUint(strings.TrimSpace(hi), 10, 16)
+	if err1 != nil || err2 != nil || l == 0 || h < l {
+		return portRange{}, fmt.Errorf("tcp_port_range: %q is not a port range like 16000-16999", s)
+	}
+	return portRange{uint32(l), uint32(h)}, nil
+}
+
+// portClaim is one port the node listens on for listen-port routes. The
+// claimant with the smallest agent id owns it; the others stand by and take
+// over when it leaves.
+type portClaim struct {
+	port      uint32
+	ln        net.Listener
+	claimants []*routeEntry
+}
+
+func (c *portClaim) owner() *routeEntry {
+	var best *routeEntry
+	for _, e := range c.claimants {
+		if best == nil || e.agent.agentID < best.agent.agentID {
+			best = e
+		}
+	}
+	return best
+}
+
+// portManager binds the ports agents claim within tcp_port_range and
+// releases each when its last claimant's session ends.
+type portManager struct {
+	n  *node
+	mu sync.Mutex
+	by map[uint32]*portClaim
+}
+
+func newPortManager(n *node) *portManager {
+	return &portManager{n: n, by: map[uint32]*portClaim{}}
+}
+
+// errNotBound marks listen-port routes the node accepts without binding:
+// with no tcp_port_range, a layer4 server of the config serves the port.
+var errNotBound = errors.New("not bound by the node")
+
+// claim binds e's port, or joins the claimants of a bound port. It returns
+// the reason a claim is refused.
+func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
+	port := e.route.GetListenPort()
+	if opts.portRange.lo == 0 {
+		return errNotBound
+	}
+	if !opts.portRange.contains(port) {
+		return fmt.Errorf("port %d is outside tcp_port_range %s", port, opts.portRange)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if c := m.by[port]; c != nil {
+		if o := c.owner(); o != nil && o.agent.agentID < e.agent.agentID {
+			return fmt.Errorf("port %d is held by agent %s", port, o.agent.agentID)
+		}
+		c.claimants = append(c.claimants, e)
+		return nil
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort(opts.tcpBind, strconv.Itoa(int(port))))
+	if err != nil {
+		return fmt.Errorf("port %d: %w", port, err)
+	}
+	c := &portClaim{port: port, ln: ln, claimants: []*routeEntry{e}}
+	m.by[port] = c
+	m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", e.agent.agentID), zap.String("address", ln.Addr().String()))
+	go m.serve(c)
+	return nil
+}
+
+// release drops e's claim; the last claimant's release closes the port.
+func (m *portManager) release(e *routeEntry) {
+	port := e.route.GetListenPort()
+	m.mu.Lock()
+	c := m.by[port]
+	if c == nil {
+		m.mu.Unlock()
+		return
+	}
+	for i, x := range c.claimants {
+		if x == e {
+			c.claimants = append(c.claimants[:i], c.claimants[i+1:]...)
+			break
+		}
+	}
+	closeIt := len(c.claimants) == 0
+	if closeIt {
+		delete(m.by, port)
+	}
+	m.mu.Unlock()
+	if closeIt {
+		c.ln.Close()
+		m.n.log().Info("released agent port route", zap.Uint32("port", port))
+	}
+}
+
+func (m *portManager) owner(port uint32) *routeEntry {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if c := m.by[port]; c != nil {
+		return c.owner()
+	}
+	return nil
+}
+
+// serve relays every connection to the port's current owner.
+func (m *portManager) serve(c *portClaim) {
+	for {
+		conn, err := c.ln.Accept()
+		if err != nil {
+			return // closed by release or shutdown
+		}
+		e := m.owner(c.port)
+		if e == nil {
+			conn.Close()
+			continue
+		}
+		go m.n.relayTCP(conn, e, "")
+	}
+}
+
+// closeAll closes every port (node shutdown).
+func (m *portManager) closeAll() {
+	m.mu.Lock()
+	claims := m.by
+	m.by = map[uint32]*portClaim{}
+	m.mu.Unlock()
+	for _, c := range claims {
+		c.ln.Close()
+	}
+}

@@ -1,0 +1,63 @@
+package l4module
+
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	_ "github.com/caddyserver/caddy/v2/modules/caddytls"
+	_ "github.com/mholt/caddy-l4/layer4"
+	_ "github.com/mholt/caddy-l4/modules/l4proxyprotocol"
+	_ "github.com/mholt/caddy-l4/modules/l4tls"
+
+	_ "github.com/sluice-tunnel/sluice/caddymodule"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden adapt files with the current output")
+
+// TestCaddyfileAdapt compares adapted testdata/adapt/*.caddytest files with
+// their golden JSON, as caddy-l4's own adapt tests do.
+func TestCaddyfileAdapt(t *testing.T) {
+	files, _ := filepath.Glob("testdata/adapt/*.caddytest")
+	if len(files) == 0 {
+		t.Fatal("no golden files")
+	}
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			raw, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			in, want, _ := strings.Cut(string(raw), "----------")
+			out, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(strings.TrimSpace(in)+"\n"), nil)
+			if err != nil {
+				t.Fatalf("adapt: %v", err)
+			}
+			var b bytes.Buffer
+			json.Indent(&b, out, "", "\t")
+			got := b.String()
+			if *update {
+				os.WriteFile(f, []byte(strings.TrimSpace(in)+"\n----------\n"+got+"\n"), 0o644)
+				return
+			}
+			if got != strings.TrimSpace(want) {
+				t.Errorf("adapted JSON differs\ngot:\n%s\nwant:\n%s", got, strings.TrimSpace(want))
+			}
+		})
+	}
+}
+
+func TestCaddyfileErrors(t *testing.T) {
+	in := "{\n\tlayer4 {\n\t\t:5000 {\n\t\t\troute {\n\t\t\t\tsluice a b\n\t\t\t}\n\t\t}\n\t}\n}\n"
+	_, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(in), nil)
+	if err == nil || !strings.Contains(err.Error(), "wrong argument count") {
+		t.Fatalf("got %v", err)
+	}
+}

@@ -1,0 +1,120 @@
+// Package l4module is sluice's caddy-l4 handler, layer4.handlers.sluice: it
+// relays a raw TCP connection verbatim to the agent serving it, chosen by an
+// explicit route name, by the TLS server name (passthrough, or after
+// caddy-l4's tls handler terminated TLS), or by the port the client
+// connected to. Routing and the tunnel live in caddymodule; this package only
+// adapts caddy-l4 connections to it.
+package l4module
+
+import (
+	"errors"
+	"net"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/mholt/caddy-l4/layer4"
+	"go.uber.org/zap"
+
+	"github.com/sluice-tunnel/sluice/caddymodule"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Handler relays the connection to an agent over the tunnel. It is terminal:
+// handlers after it never run. A connection no agent serves is closed at
+// once.
+type Handler struct {
+	// Route names the agent route to relay to (its name, or its host).
+	// Empty: the TLS server name a tls matcher or handler saw, else the
+	// local port the client connected to (listen-port routes).
+	Route string `json:"route,omitempty"`
+
+	app     *caddymodule.App
+	logger  *zap.Logger
+	noRoute *throttle
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "layer4.handlers.sluice",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision finds the sluice app.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	appAny, err := ctx.App("sluice")
+	if err != nil {
+		return err
+	}
+	h.app = appAny.(*caddymodule.App)
+	h.logger = ctx.Logger()
+	h.noRoute = &throttle{every: 10 * time.Second}
+	return nil
+}
+
+// Handle implements layer4.NextHandler.
+func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+	target := caddymodule.TCPTarget{Route: h.Route}
+	if sni, ok := cx.Replacer().GetString("l4.tls.server_name"); ok {
+		target.ServerName = sni
+	}
+	if a, ok := cx.LocalAddr().(*net.TCPAddr); ok {
+		target.LocalPort = uint32(a.Port)
+	}
+	err := h.app.RelayTCP(conn{cx}, target)
+	if errors.Is(err, caddymodule.ErrNoRoute) {
+		if ok, suppressed := h.noRoute.allow(); ok {
+			h.logger.Warn("no agent serves connection; closed",
+				zap.String("route", target.Route), zap.String("server_name", target.ServerName),
+				zap.Uint32("local_port", target.LocalPort), zap.String("remote", cx.RemoteAddr().String()),
+				zap.Int("suppressed", suppressed))
+		}
+		return nil
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	sluice [<route>]
+//
+// With no route, the connection goes to the route serving the TLS server
+// name a `tls` matcher or handler saw, else to the listen-port route of the
+// port the client connected to.
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // handler name
+	if d.NextArg() {
+		h.Route = d.Val()
+	}
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	if d.NextBlock(0) {
+		return d.Errf("sluice: unrecognized option %q", d.Val())
+	}
+	return nil
+}
+
+// conn gives a *layer4.Connection half-close: the relay closes its write
+// side when the agent's side ends, and the client may still send. Reads go
+// through the Connection so bytes matchers peeked are replayed.
+type conn struct{ *layer4.Connection }
+
+func (c conn) CloseWrite() error {
+	if cw, ok := c.Connection.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return errors.New("connection cannot half-close")
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner     = (*Handler)(nil)
+	_ layer4.NextHandler    = (*Handler)(nil)
+	_ caddyfile.Unmarshaler = (*Handler)(nil)
+)
