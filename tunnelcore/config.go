@@ -2,6 +2,7 @@ package tunnelcore
 
 import (
 	"fmt"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -23,6 +24,10 @@ const (
 	DefaultSendQueue = 2 * DefaultMaxFrameSize
 	// DefaultAcceptBacklog is how many opened connections may wait for Accept.
 	DefaultAcceptBacklog = 1024
+	// DefaultStallTimeout is Config.StallTimeout's default.
+	DefaultStallTimeout = 60 * time.Second
+	// DefaultReclaimAfter is Config.ReclaimAfter's default.
+	DefaultReclaimAfter = time.Second
 	// DefaultBudget is the budget a session makes for itself when
 	// Config.Budget is nil.
 	DefaultBudget = 64 << 20
@@ -72,6 +77,22 @@ type Config struct {
 	// of DefaultBudget.
 	Budget *Budget
 
+	// Slots bounds the connections open at once (opened and accepted).
+	// Share one Slots between all sessions of a node. Nil: no limit.
+	Slots *Slots
+
+	// StallTimeout fails the session when the sender has waited this long
+	// for the stream to take a frame (the peer stopped reading the stream
+	// while still answering keepalives). A peer that reads slowly but keeps
+	// taking frames is never cut. Default DefaultStallTimeout; negative
+	// turns the watchdog off.
+	StallTimeout time.Duration
+
+	// ReclaimAfter is how long a reader may take no bytes before its peer
+	// is asked to give back the credit above InitialWindow, releasing the
+	// budget it holds. Default DefaultReclaimAfter; negative turns it off.
+	ReclaimAfter time.Duration
+
 	// OnControl receives every frame that belongs to the session rather
 	// than a connection (Advertise, AdvertiseAck, MembershipUpdate, Drain,
 	// and Error with conn_id 0). It runs on the receive loop: it must not
@@ -117,6 +138,12 @@ func (c *Config) Validate() error {
 	}
 	if c.Budget == nil {
 		c.Budget = NewBudget(DefaultBudget)
+	}
+	if c.StallTimeout == 0 {
+		c.StallTimeout = DefaultStallTimeout
+	}
+	if c.ReclaimAfter == 0 {
+		c.ReclaimAfter = DefaultReclaimAfter
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()

@@ -60,6 +60,11 @@ type Conn struct {
 	closed      bool  // Close was called
 	aborted     bool  // ended by an error this end raised
 
+	slot         bool        // holds a Slots slot
+	slotReleased atomic.Bool // the slot was given back
+	lastConsume  time.Time   // when the reader last took bytes (under mu)
+	reclaiming   bool        // a reclaim request is outstanding (under mu)
+
 	// sender state, guarded by the sender's mutex
 	sq       fifo[*tunnelpb.Envelope]
 	inReady  bool
@@ -78,7 +83,26 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 		wdl:         makeDeadline(),
 		rwin:        newRecvWindow(InitialWindow),
 		credit:      credit,
+		lastConsume: time.Now(),
 	}
+}
+
+func (c *Conn) releaseSlot() {
+	if c.slot && c.slotReleased.CompareAndSwap(false, true) {
+		c.s.cfg.Slots.Release()
+	}
+}
+
+// shouldReclaim reports whether c's reader has been idle long enough with a
+// grown window, and marks the reclaim as sent.
+func (c *Conn) shouldReclaim(now time.Time, after time.Duration) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.reclaiming || c.rwin.size <= InitialWindow || c.rerr != nil || c.readEOF || now.Sub(c.lastConsume) < after {
+		return false
+	}
+	c.reclaiming = true
+	return true
 }
 
 func notify(c chan struct{}) {
@@ -167,6 +191,7 @@ func (c *Conn) copyOutLocked(p []byte) int {
 
 // consumeLocked accounts bytes the reader took and returns the credit to grant.
 func (c *Conn) consumeLocked(n int64) int64 {
+	c.lastConsume = time.Now()
 	c.buffered -= n
 	c.s.buffered.Add(-n)
 	if c.rerr != nil || c.readEOF {
@@ -530,6 +555,7 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 
 // onWindowUpdate is called with the peer's flow control for c.
 func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
+	var answer *tunnelpb.WindowUpdate
 	c.mu.Lock()
 	if u.GetBlocked() {
 		c.rwin.peerBlocked = true
@@ -538,9 +564,26 @@ func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
 		c.credit += inc
 		c.blockedSent = false
 	}
+	if above := int64(u.GetReclaimAbove()); above > 0 {
+		// The peer's reader is idle: give back the credit above what it
+		// keeps, so it can release its budget.
+		var released int64
+		if c.credit > above {
+			released = c.credit - above
+			c.credit = above
+		}
+		answer = &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(released)}
+	}
+	if u.GetReleased() > 0 || (u.GetReclaimAbove() == 0 && u.GetIncrement() == 0 && !u.GetBlocked() && c.reclaiming) {
+		c.rwin.reclaimed(int64(u.GetReleased()), c.s.cfg.Budget)
+		c.reclaiming = false
+	}
 	c.mu.Unlock()
 	if u.GetIncrement() > 0 {
 		notify(c.writeNotify)
+	}
+	if answer != nil {
+		c.s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: answer}})
 	}
 }
 

@@ -2,6 +2,8 @@ package tunnelcore
 
 import (
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"google.golang.org/grpc/mem"
 
@@ -17,6 +19,10 @@ import (
 type sender struct {
 	s    *Session
 	wake chan struct{}
+
+	// sendingSince is when the Send in progress started (unix nanos), 0
+	// while none is: the stall watchdog reads it.
+	sendingSince atomic.Int64
 
 	mu     sync.Mutex
 	ctrl   fifo[*tunnelpb.Envelope]
@@ -161,7 +167,10 @@ func (q *sender) loop() {
 		if env == nil {
 			return
 		}
-		if err := q.s.stream.Send(env); err != nil {
+		q.sendingSince.Store(time.Now().UnixNano())
+		err := q.s.stream.Send(env)
+		q.sendingSince.Store(0)
+		if err != nil {
 			env.Payload.Free()
 			q.s.CloseWithError(err)
 			return

@@ -61,6 +61,9 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 	}
 	go s.recvLoop()
 	go s.sender.loop()
+	if cfg.StallTimeout > 0 || cfg.ReclaimAfter > 0 {
+		go s.maintain()
+	}
 	return s, nil
 }
 
@@ -74,10 +77,18 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	} else {
 		id = s.nextID.Add(2)
 	}
+	if s.isDone() {
+		return nil, s.Err()
+	}
+	if !s.cfg.Slots.TryAcquire() {
+		return nil, ErrConnLimit
+	}
 	c := newConn(s, id, info, int64(s.cfg.PeerWindow))
+	c.slot = true
 	s.mu.Lock()
 	if s.isDone() {
 		s.mu.Unlock()
+		c.releaseSlot()
 		return nil, s.Err()
 	}
 	s.conns[id] = c
@@ -153,6 +164,7 @@ func (s *Session) CloseWithError(cause error) {
 		s.sender.shutdown()
 		for _, c := range conns {
 			c.onSessionEnd(s.err)
+			s.removeConn(c)
 		}
 		s.drainAccept()
 		if !errors.Is(cause, context.Canceled) {
@@ -169,6 +181,64 @@ func (s *Session) drainAccept() {
 			c.onSessionEnd(s.err)
 		default:
 			return
+		}
+	}
+}
+
+// ErrStalled ends a session whose stream took no frame for
+// Config.StallTimeout while frames waited.
+var ErrStalled = errors.New("tunnel stream stalled: the peer took no frame within the stall timeout")
+
+// maintain runs the stall watchdog and the window reclaim until the
+// session ends.
+func (s *Session) maintain() {
+	period := 250 * time.Millisecond
+	if st := s.cfg.StallTimeout; st > 0 && st/4 < period {
+		period = max(st/4, 5*time.Millisecond)
+	}
+	if ra := s.cfg.ReclaimAfter; ra > 0 && ra/4 < period {
+		period = max(ra/4, 5*time.Millisecond)
+	}
+	tick := time.NewTicker(period)
+	defer tick.Stop()
+	for {
+		select {
+		case <-s.done:
+			return
+		case now := <-tick.C:
+			if s.stalled(now) {
+				s.cfg.Logger.Warn("tunnel stream stalled; failing the session",
+					zap.Duration("stall_timeout", s.cfg.StallTimeout), zap.Int64("queued_bytes", s.Stats().Queued))
+				s.CloseWithError(ErrStalled)
+				return
+			}
+			if s.cfg.ReclaimAfter > 0 {
+				s.reclaimIdle(now)
+			}
+		}
+	}
+}
+
+// stalled reports whether a Send has been blocked past the stall timeout.
+func (s *Session) stalled(now time.Time) bool {
+	since := s.sender.sendingSince.Load()
+	return s.cfg.StallTimeout > 0 && since != 0 && now.Sub(time.Unix(0, since)) > s.cfg.StallTimeout
+}
+
+// reclaimIdle asks the peers of idle readers with grown windows to give
+// back their credit above InitialWindow.
+func (s *Session) reclaimIdle(now time.Time) {
+	s.mu.Lock()
+	conns := make([]*Conn, 0, len(s.conns))
+	for _, c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	for _, c := range conns {
+		if c.shouldReclaim(now, s.cfg.ReclaimAfter) {
+			s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+				WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, ReclaimAbove: InitialWindow},
+			}})
 		}
 	}
 }
@@ -209,12 +279,15 @@ func (s *Session) lookup(id uint64) *Conn {
 	return c
 }
 
+// removeConn takes c out of the table and gives back its slot; it runs once
+// c ended and its queued frames left the sender (or the session ended).
 func (s *Session) removeConn(c *Conn) {
 	s.mu.Lock()
 	if s.conns[c.id] == c {
 		delete(s.conns, c.id)
 	}
 	s.mu.Unlock()
+	c.releaseSlot()
 }
 
 func (s *Session) recvLoop() {
@@ -304,6 +377,12 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d already open", id))
 		return
 	}
+	if !s.cfg.Slots.TryAcquire() {
+		s.mu.Unlock()
+		s.sendControl(errorFrame(id, tunnelpb.Error_RESOURCE_EXHAUSTED, "connection limit reached"))
+		return
+	}
+	c.slot = true
 	s.conns[id] = c
 	s.mu.Unlock()
 	select {

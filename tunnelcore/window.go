@@ -95,3 +95,19 @@ func (w *recvWindow) release(budget *Budget) {
 	budget.Release(w.charged)
 	w.charged = 0
 }
+
+// reclaimed takes back the credit the peer released after a reclaim
+// request and shrinks the window to InitialWindow, releasing its budget.
+// What is in flight or buffered is still counted, so grants stay withheld
+// until the reader has drained below the new window.
+func (w *recvWindow) reclaimed(released int64, budget *Budget) {
+	w.granted -= released
+	// Keep the charge for what is still held (buffered, or in flight
+	// against credit granted earlier); release the rest.
+	keep := max(0, min(w.charged, w.granted-w.consumed-InitialWindow))
+	budget.Release(w.charged - keep)
+	w.charged = keep
+	w.size = InitialWindow + keep
+	w.sinceDecision = 0
+	w.idleDecisions = 0
+}
