@@ -15,6 +15,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"google.golang.org/grpc/credentials"
+
+	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 func init() {
@@ -69,6 +71,48 @@ type App struct {
 	// unless its route sets its own. Default 0: off.
 	VerbatimIdleTimeout caddy.Duration `json:"verbatim_idle_timeout,omitempty"`
 
+	// MaxConnections bounds the virtual connections open at once, HTTP and
+	// TCP. Past it, HTTP requests get 503 with Retry-After and TCP
+	// connections are closed. 0: ConnectionMemory / 293 KiB.
+	MaxConnections int64 `json:"max_connections,omitempty"`
+
+	// ConnectionMemory is the memory connections may take at their worst
+	// (293 KiB each). 0: half the memory limit (GOMEMLIMIT, else the cgroup
+	// limit, else physical memory) less the tunnel budget.
+	ConnectionMemory int64 `json:"connection_memory,omitempty"`
+
+	// MaxConnectionsPerAddress bounds the requests in flight and relayed
+	// connections of one client address. 0: no limit.
+	MaxConnectionsPerAddress int `json:"max_connections_per_address,omitempty"`
+
+	// TunnelBudget is what receive windows above 64 KiB may hold, across
+	// all agents. 0: an eighth of half the memory limit.
+	TunnelBudget int64 `json:"tunnel_budget,omitempty"`
+
+	// MaxSessions bounds the agent sessions; beyond it a new agent stream
+	// is refused with RESOURCE_EXHAUSTED (agents retry with backoff). An
+	// agent replacing its own session is always admitted. 0: no limit.
+	MaxSessions int `json:"max_sessions,omitempty"`
+
+	// MaxSessionsPerAddress bounds the sessions from one address. 0: no limit.
+	MaxSessionsPerAddress int `json:"max_sessions_per_address,omitempty"`
+
+	// MaxPendingStreams bounds the agent streams that have not sent their
+	// Advertise yet. Default 256.
+	MaxPendingStreams int `json:"max_pending_streams,omitempty"`
+
+	// MaxPendingStreamsPerAddress bounds them per address. Default 16.
+	MaxPendingStreamsPerAddress int `json:"max_pending_streams_per_address,omitempty"`
+
+	// TunnelStallTimeout fails a session whose agent stopped taking frames
+	// for this long while frames waited (the agent reconnects). Default
+	// 60s; negative: off.
+	TunnelStallTimeout caddy.Duration `json:"tunnel_stall_timeout,omitempty"`
+
+	// DrainGrace is how long in-flight tunnel connections may finish when
+	// the node shuts down, before the streams are closed. Default 10s.
+	DrainGrace caddy.Duration `json:"drain_grace,omitempty"`
+
 	token     string
 	portRange portRange
 	node      *node
@@ -92,6 +136,18 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	if a.AdvertiseTimeout == 0 {
 		a.AdvertiseTimeout = caddy.Duration(10 * time.Second)
+	}
+	if a.MaxPendingStreams == 0 {
+		a.MaxPendingStreams = 256
+	}
+	if a.MaxPendingStreamsPerAddress == 0 {
+		a.MaxPendingStreamsPerAddress = 16
+	}
+	if a.TunnelStallTimeout == 0 {
+		a.TunnelStallTimeout = caddy.Duration(tunnelcore.DefaultStallTimeout)
+	}
+	if a.DrainGrace == 0 {
+		a.DrainGrace = caddy.Duration(10 * time.Second)
 	}
 	token, err := a.resolveToken()
 	if err != nil {
@@ -141,6 +197,17 @@ func (a *App) Validate() error {
 	}
 	if a.VerbatimIdleTimeout < 0 {
 		return errors.New("sluice: verbatim_idle_timeout must not be negative")
+	}
+	for name, v := range map[string]int64{
+		"max_connections": a.MaxConnections, "connection_memory": a.ConnectionMemory,
+		"max_connections_per_address": int64(a.MaxConnectionsPerAddress), "tunnel_budget": a.TunnelBudget,
+		"max_sessions": int64(a.MaxSessions), "max_sessions_per_address": int64(a.MaxSessionsPerAddress),
+		"max_pending_streams": int64(a.MaxPendingStreams), "max_pending_streams_per_address": int64(a.MaxPendingStreamsPerAddress),
+		"drain_grace": int64(a.DrainGrace),
+	} {
+		if v < 0 {
+			return fmt.Errorf("sluice: %s must not be negative", name)
+		}
 	}
 	return nil
 }
@@ -208,7 +275,22 @@ func (a *App) generatedToken() (string, error) {
 func (a *App) Start() error {
 	a.node.token.Store(&a.token)
 	a.node.logger.Store(a.logger)
+	lim := deriveLimits(memoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
+	a.node.budget.SetLimit(lim.budget)
+	a.node.slots.SetLimit(lim.maxConnections)
+	a.logger.Info("sluice limits",
+		zap.Int64("memory_limit", lim.memory), zap.Int64("tunnel_budget", lim.budget),
+		zap.Int64("connection_memory", lim.connMemory), zap.Int64("max_connections", lim.maxConnections),
+		zap.Int("max_connections_per_address", a.MaxConnectionsPerAddress),
+		zap.Int("max_sessions", a.MaxSessions), zap.Int("max_pending_streams", a.MaxPendingStreams))
 	a.node.opts.Store(&nodeOptions{
+		maxConnsPerAddr:     a.MaxConnectionsPerAddress,
+		maxSessions:         a.MaxSessions,
+		maxSessionsPerAddr:  a.MaxSessionsPerAddress,
+		maxPending:          a.MaxPendingStreams,
+		maxPendingPerAddr:   a.MaxPendingStreamsPerAddress,
+		stallTimeout:        time.Duration(a.TunnelStallTimeout),
+		drainGrace:          time.Duration(a.DrainGrace),
 		advertiseTimeout:    time.Duration(a.AdvertiseTimeout),
 		portRange:           a.portRange,
 		tcpBind:             a.TCPBind,

@@ -2,6 +2,10 @@ package caddymodule
 
 import (
 	"encoding/json"
+	"math"
+	"strconv"
+
+	"github.com/dustin/go-humanize"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -29,6 +33,18 @@ func init() {
 //	    tcp_port_range    <lo>-<hi>        # ports agents may claim (listen-port routes)
 //	    tcp_bind          <host>           # where claimed ports bind (default all)
 //	    verbatim_idle_timeout <duration>   # close relayed TCP idle this long (default off)
+//
+//	    # limits (defaults derive from the memory limit; see App)
+//	    max_connections             <n>
+//	    connection_memory           <size>   # e.g. 2GiB
+//	    max_connections_per_address <n>
+//	    tunnel_budget               <size>
+//	    max_sessions                <n>
+//	    max_sessions_per_address    <n>
+//	    max_pending_streams         <n>
+//	    max_pending_streams_per_address <n>
+//	    tunnel_stall_timeout        <duration>
+//	    drain_grace                 <duration>
 //	}
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -81,6 +97,26 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "tcp_bind":
 			err = singleArg(d, &a.TCPBind)
+		case "max_connections":
+			err = int64Arg(d, &a.MaxConnections)
+		case "connection_memory":
+			err = sizeArg(d, &a.ConnectionMemory)
+		case "tunnel_budget":
+			err = sizeArg(d, &a.TunnelBudget)
+		case "max_connections_per_address":
+			err = intArg(d, &a.MaxConnectionsPerAddress)
+		case "max_sessions":
+			err = intArg(d, &a.MaxSessions)
+		case "max_sessions_per_address":
+			err = intArg(d, &a.MaxSessionsPerAddress)
+		case "max_pending_streams":
+			err = intArg(d, &a.MaxPendingStreams)
+		case "max_pending_streams_per_address":
+			err = intArg(d, &a.MaxPendingStreamsPerAddress)
+		case "tunnel_stall_timeout":
+			err = durationArg(d, &a.TunnelStallTimeout)
+		case "drain_grace":
+			err = durationArg(d, &a.DrainGrace)
 		default:
 			return d.Errf("sluice: unrecognized option %q", opt)
 		}
@@ -151,4 +187,41 @@ func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler,
 		return nil, d.Err("sluice: transport: only `transport sluice { ... }` is allowed")
 	}
 	return sh, nil
+}
+
+func int64Arg(d *caddyfile.Dispenser, dst *int64) error {
+	opt := d.Val()
+	var s string
+	if err := singleArg(d, &s); err != nil {
+		return err
+	}
+	v, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || v < 0 {
+		return d.Errf("sluice: %s: %q is not a non-negative integer", opt, s)
+	}
+	*dst = v
+	return nil
+}
+
+func intArg(d *caddyfile.Dispenser, dst *int) error {
+	var v int64
+	if err := int64Arg(d, &v); err != nil {
+		return err
+	}
+	*dst = int(v)
+	return nil
+}
+
+func sizeArg(d *caddyfile.Dispenser, dst *int64) error {
+	opt := d.Val()
+	var s string
+	if err := singleArg(d, &s); err != nil {
+		return err
+	}
+	v, err := humanize.ParseBytes(s)
+	if err != nil || v > math.MaxInt64 {
+		return d.Errf("sluice: %s: %q is not a size like 512MiB", opt, s)
+	}
+	*dst = int64(v)
+	return nil
 }

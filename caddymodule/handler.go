@@ -74,8 +74,17 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 // ServeHTTP answers 503 with a readable body when no agent serves the host,
 // and proxies otherwise.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	n := h.app.node
 	host := normalizeHost(r.Host)
-	if len(h.app.node.reg.table.Load().lookupHTTP(host)) == 0 {
+	if n.slots.Full() {
+		return h.limited(w, r, "max_connections")
+	}
+	release, ok := n.clients.acquire(r.RemoteAddr, n.opts.Load().maxConnsPerAddr)
+	if !ok {
+		return h.limited(w, r, "max_connections_per_address")
+	}
+	defer release()
+	if len(n.reg.table.Load().lookupHTTP(host)) == 0 {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
 		w.Header().Set("Retry-After", "5")
@@ -84,6 +93,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return nil
 	}
 	return h.Handler.ServeHTTP(w, r, next)
+}
+
+// limited answers a request refused by a connection limit: 503 with
+// Retry-After, counted and logged through the throttle.
+func (h *Handler) limited(w http.ResponseWriter, r *http.Request, limit string) error {
+	h.app.node.logLimit("http", limit, r.RemoteAddr)
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	w.Header().Set("Retry-After", "1")
+	w.WriteHeader(http.StatusServiceUnavailable)
+	fmt.Fprintf(w, "503 Service Unavailable: the tunnel is at its connection limit (%s); retry shortly\n", limit)
+	return nil
 }
 
 // moduleName reads the inline module name (e.g. "protocol") of a raw module.

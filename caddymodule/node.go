@@ -36,7 +36,18 @@ type node struct {
 	reg      *registry
 	ports    *portManager
 	budget   *tunnelcore.Budget
-	id       string
+	slots    *tunnelcore.Slots
+
+	clients        *addrLimiter // HTTP requests in flight and TCP relays, by client address
+	pending        counterLimiter
+	pendingByAddr  *addrLimiter
+	sessions       counterLimiter
+	sessionsByAddr *addrLimiter
+	limitLog       *logThrottle
+	streamLog      *logThrottle
+	draining       atomic.Bool
+	refused        atomic.Int64 // connections and requests refused by a limit
+	id             string
 
 	logger atomic.Pointer[zap.Logger]
 	token  atomic.Pointer[string]
@@ -51,6 +62,13 @@ type node struct {
 // nodeOptions are the settings the current config gives the node.
 type nodeOptions struct {
 	advertiseTimeout    time.Duration
+	maxConnsPerAddr     int
+	maxSessions         int
+	maxSessionsPerAddr  int
+	maxPending          int
+	maxPendingPerAddr   int
+	stallTimeout        time.Duration
+	drainGrace          time.Duration
 	portRange           portRange     // ports agents may claim; zero: the node binds none
 	tcpBind             string        // host the claimed ports bind on ("" = all)
 	verbatimIdleTimeout time.Duration // default idle bound of relayed TCP connections; 0 = off
@@ -61,17 +79,24 @@ type nodeKey string
 
 func newNode(addr string, ln net.Listener, creds credentials.TransportCredentials, logger *zap.Logger) *node {
 	n := &node{
-		addr:      addr,
-		listener:  ln,
-		reg:       newRegistry(),
-		budget:    tunnelcore.NewBudget(tunnelcore.DefaultBudget),
-		id:        ln.Addr().String(),
-		onSession: map[any]func(){},
-		serveDone: make(chan struct{}),
+		addr:     addr,
+		listener: ln,
+		reg:      newRegistry(),
+		budget:   tunnelcore.NewBudget(tunnelcore.DefaultBudget),
+		slots:    tunnelcore.NewSlots(0),
+
+		clients:        newAddrLimiter(),
+		pendingByAddr:  newAddrLimiter(),
+		sessionsByAddr: newAddrLimiter(),
+		limitLog:       newLogThrottle(10*time.Second, 5),
+		streamLog:      newLogThrottle(10*time.Second, 5),
+		id:             ln.Addr().String(),
+		onSession:      map[any]func(){},
+		serveDone:      make(chan struct{}),
 	}
 	n.ports = newPortManager(n)
 	n.logger.Store(logger)
-	n.opts.Store(&nodeOptions{advertiseTimeout: 10 * time.Second})
+	n.opts.Store(&nodeOptions{advertiseTimeout: 10 * time.Second, drainGrace: 10 * time.Second})
 	opts := []grpc.ServerOption{
 		grpc.ForceServerCodecV2(tunnelpb.Codec{}),
 		experimental.BufferPool(tunnelcore.BufferPool()),
@@ -98,10 +123,10 @@ func (n *node) log() *zap.Logger { return n.logger.Load() }
 // Destruct implements caddy.Destructor: the last config using this control
 // address was unloaded.
 func (n *node) Destruct() error {
+	n.drain()
 	for _, a := range n.reg.sessions() {
 		a.sess.CloseWithError(errors.New("sluice node shut down"))
 	}
-	n.ports.closeAll()
 	n.server.Stop()
 	<-n.serveDone
 	n.log().Info("sluice control plane closed", zap.String("listen", n.addr))
@@ -173,15 +198,31 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	if p, ok := peer.FromContext(ctx); ok {
 		remote = p.Addr.String()
 	}
+	if n.draining.Load() {
+		return status.Error(codes.Unavailable, "node is draining")
+	}
 	if err := n.authorize(ctx); err != nil {
-		n.log().Warn("agent rejected", zap.String("remote", remote), zap.String("reason", "invalid token"))
+		n.logStream("agent rejected", remote, err)
+		return err
+	}
+	opts := n.opts.Load()
+	releasePending, err := n.admitStream(remote, opts)
+	if err != nil {
+		n.logStream("agent stream refused", remote, err)
 		return err
 	}
 	adv, err := n.readAdvertise(stream)
+	releasePending()
 	if err != nil {
-		n.log().Warn("agent rejected", zap.String("remote", remote), zap.Error(err))
+		n.logStream("agent rejected", remote, err)
 		return err
 	}
+	releaseSession, err := n.admitSession(remote, adv.GetAgentId(), opts)
+	if err != nil {
+		n.logStream("agent session refused", remote, err)
+		return err
+	}
+	defer releaseSession()
 	if md, _ := metadata.FromIncomingContext(ctx); len(md.Get("x-sluice-id")) > 0 && md.Get("x-sluice-id")[0] != adv.GetAgentId() {
 		return status.Errorf(codes.InvalidArgument, "x-sluice-id %q does not match the advertised agent id %q", md.Get("x-sluice-id")[0], adv.GetAgentId())
 	}
@@ -190,11 +231,13 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	defer cancel()
 	a := &agentSession{agentID: adv.GetAgentId(), remote: remote, build: adv.GetBuild(), connected: time.Now()}
 	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(stream, cancel), tunnelcore.Config{
-		Role:       tunnelcore.RoleNode,
-		PeerWindow: adv.GetInitialWindow(),
-		Budget:     n.budget,
-		Logger:     n.log().With(zap.String("agent", a.agentID)),
-		OnControl:  func(f *tunnelpb.Frame) { n.onControl(a, f) },
+		Role:         tunnelcore.RoleNode,
+		PeerWindow:   adv.GetInitialWindow(),
+		Budget:       n.budget,
+		Slots:        n.slots,
+		StallTimeout: opts.stallTimeout,
+		Logger:       n.log().With(zap.String("agent", a.agentID)),
+		OnControl:    func(f *tunnelpb.Frame) { n.onControl(a, f) },
 	})
 	if err != nil {
 		return status.Error(codes.Internal, err.Error())
@@ -324,5 +367,81 @@ func (n *node) releasePorts(routes []*routeEntry) {
 		if e.route.GetListenPort() != 0 {
 			n.ports.release(e)
 		}
+	}
+}
+
+// admitStream counts a stream that has not advertised yet against
+// max_pending_streams (and per address).
+func (n *node) admitStream(remote string, opts *nodeOptions) (func(), error) {
+	rel, ok := n.pending.acquire(opts.maxPending)
+	if !ok {
+		return nil, status.Errorf(codes.ResourceExhausted, "too many agent streams awaiting Advertise (max_pending_streams %d)", opts.maxPending)
+	}
+	relAddr, ok := n.pendingByAddr.acquire(remote, opts.maxPendingPerAddr)
+	if !ok {
+		rel()
+		return nil, status.Errorf(codes.ResourceExhausted, "too many agent streams awaiting Advertise from %s (max_pending_streams_per_address %d)", addrHost(remote), opts.maxPendingPerAddr)
+	}
+	return func() { relAddr(); rel() }, nil
+}
+
+// admitSession counts a session against max_sessions (and per address). An
+// agent replacing its own session is always admitted.
+func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), error) {
+	n.reg.mu.Lock()
+	_, replacing := n.reg.agents[agentID]
+	n.reg.mu.Unlock()
+	limit, perAddr := opts.maxSessions, opts.maxSessionsPerAddr
+	if replacing {
+		limit, perAddr = 0, 0
+	}
+	rel, ok := n.sessions.acquire(limit)
+	if !ok {
+		return nil, status.Errorf(codes.ResourceExhausted, "node has its maximum of %d agent sessions (max_sessions)", limit)
+	}
+	relAddr, ok := n.sessionsByAddr.acquire(remote, perAddr)
+	if !ok {
+		rel()
+		return nil, status.Errorf(codes.ResourceExhausted, "%s has its maximum of %d agent sessions (max_sessions_per_address)", addrHost(remote), perAddr)
+	}
+	return func() { relAddr(); rel() }, nil
+}
+
+// logStream logs a refused stream through a throttle: a flood logs a few
+// lines and then one line with the count suppressed.
+func (n *node) logStream(msg, remote string, err error) {
+	if ok, suppressed := n.streamLog.allow(); ok {
+		n.log().Warn(msg, zap.String("remote", remote), zap.Error(err), zap.Int("suppressed_since_last", suppressed))
+	}
+}
+
+// connectionsOpen sums the open virtual connections of every session.
+func (n *node) connectionsOpen() int {
+	total := 0
+	for _, a := range n.reg.sessions() {
+		total += a.sess.NumConns()
+	}
+	return total
+}
+
+// drain stops new tunnel streams and port connections, tells the agents,
+// and waits (up to drain_grace) for open virtual connections to finish.
+func (n *node) drain() {
+	n.draining.Store(true)
+	n.ports.closeAll()
+	grace := n.opts.Load().drainGrace
+	for _, a := range n.reg.sessions() {
+		a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{
+			GraceMs: uint32(grace / time.Millisecond), Reason: "node shutting down",
+		}}})
+	}
+	deadline := time.Now().Add(grace)
+	open := n.connectionsOpen()
+	for open > 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+		open = n.connectionsOpen()
+	}
+	if open > 0 {
+		n.log().Warn("drain grace over; closing open tunnel connections", zap.Int("connections", open), zap.Duration("drain_grace", grace))
 	}
 }

@@ -23,6 +23,10 @@ type TCPTarget struct {
 // ErrNoRoute is returned when no agent serves a TCP connection.
 var ErrNoRoute = errors.New("sluice: no agent serves this connection")
 
+// ErrLimit is returned when a connection limit refused a TCP connection
+// (it was closed at once).
+var ErrLimit = errors.New("sluice: connection limit reached")
+
 // RelayTCP relays client verbatim to the agent route target selects, until
 // both directions end. client may have bytes already read by matchers: it
 // must replay them (a *layer4.Connection does).
@@ -50,6 +54,12 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 // through it, closing both when done or when the route's idle timeout
 // passes with no byte either way.
 func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error {
+	release, ok := n.clients.acquire(client.RemoteAddr().String(), n.opts.Load().maxConnsPerAddr)
+	if !ok {
+		n.refuseTCP(client, "max_connections_per_address")
+		return ErrLimit
+	}
+	defer release()
 	info := tunnelcore.ConnectInfo{
 		RouteKey:   routeName(e.route),
 		RemoteAddr: client.RemoteAddr().String(),
@@ -57,6 +67,10 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		ServerName: serverName,
 	}
 	up, err := e.agent.sess.Open(info)
+	if errors.Is(err, tunnelcore.ErrConnLimit) {
+		n.refuseTCP(client, "max_connections")
+		return ErrLimit
+	}
 	if err != nil {
 		client.Close()
 		return err

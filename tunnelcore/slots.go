@@ -14,25 +14,30 @@ var ErrConnLimit = errors.New("tunnel connection limit reached")
 // given back only when the connection has ended and its queued frames have
 // left the sender, so what a slot bounds is really released.
 type Slots struct {
-	limit int64
+	limit atomic.Int64
 	used  atomic.Int64
 }
 
 // NewSlots returns a limit of n connections; n <= 0 means no limit.
-func NewSlots(n int64) *Slots { return &Slots{limit: n} }
+func NewSlots(n int64) *Slots {
+	s := &Slots{}
+	s.limit.Store(n)
+	return s
+}
+
+// SetLimit changes the limit; connections above a lowered limit keep their
+// slots.
+func (s *Slots) SetLimit(n int64) { s.limit.Store(n) }
 
 // TryAcquire takes a slot if one is free.
 func (s *Slots) TryAcquire() bool {
 	if s == nil {
 		return true
 	}
-	if s.limit <= 0 {
-		s.used.Add(1)
-		return true
-	}
 	for {
+		limit := s.limit.Load()
 		u := s.used.Load()
-		if u >= s.limit {
+		if limit > 0 && u >= limit {
 			return false
 		}
 		if s.used.CompareAndSwap(u, u+1) {
@@ -61,8 +66,14 @@ func (s *Slots) Limit() int64 {
 	if s == nil {
 		return 0
 	}
-	return s.limit
+	return s.limit.Load()
 }
 
 // Full reports whether no slot is free.
-func (s *Slots) Full() bool { return s != nil && s.limit > 0 && s.used.Load() >= s.limit }
+func (s *Slots) Full() bool {
+	if s == nil {
+		return false
+	}
+	limit := s.limit.Load()
+	return limit > 0 && s.used.Load() >= limit
+}
