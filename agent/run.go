@@ -112,6 +112,7 @@ type Agent struct {
 	creds    credentials.TransportCredentials
 	conn     *connector
 	sessions atomic.Int64 // sessions acknowledged so far
+	current  atomic.Pointer[tunnelcore.Session]
 
 	backoffInitial, backoffMax time.Duration
 	ackTimeout                 time.Duration
@@ -231,6 +232,16 @@ func (a *Agent) NodeID() string {
 func (a *Agent) ActiveConns() int { return a.conn.Active() }
 
 func (a *Agent) setState(s State) { a.state.Store(int32(s)) }
+
+// Stats returns what the current session holds (zero while disconnected):
+// its connections, the bytes received and not yet relayed to upstreams, and
+// the bytes queued towards the node.
+func (a *Agent) Stats() tunnelcore.Stats {
+	if s := a.current.Load(); s != nil {
+		return s.Stats()
+	}
+	return tunnelcore.Stats{}
+}
 
 // Sessions returns how many sessions the node has acknowledged since the
 // agent started: it grows by one with every reconnect.
@@ -488,6 +499,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		cancel()
 		return sessionResult{err: err}
 	}
+	a.current.Store(sess)
+	defer a.current.Store(nil)
 	defer sess.Close()
 	// reason returns why the session ended, preferring the stream's status.
 	reason := func() error {

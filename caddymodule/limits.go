@@ -183,3 +183,46 @@ func (n *node) logLimit(kind, limit, remote string) {
 			zap.String("remote", remote), zap.Int64("refused_total", n.refused.Load()), zap.Int("suppressed_since_last", suppressed))
 	}
 }
+
+// NodeStats is a snapshot of one node (control address) for operators and
+// tests: what its sessions hold and what its limits allow.
+type NodeStats struct {
+	Listen         string
+	Sessions       int
+	Connections    int
+	Buffered       int64 // received from agents, not yet written to clients
+	Queued         int64 // queued towards agents
+	BudgetInUse    int64
+	BudgetLimit    int64
+	SlotsInUse     int64
+	MaxConnections int64
+	Refused        int64 // requests and connections refused by a limit
+	Draining       bool
+}
+
+// Stats returns a snapshot of every node of this process.
+func Stats() []NodeStats {
+	var out []NodeStats
+	nodePool.Range(func(_, v any) bool {
+		n := v.(*node)
+		st := NodeStats{
+			Listen:         n.addr,
+			BudgetInUse:    n.budget.InUse(),
+			BudgetLimit:    n.budget.Limit(),
+			SlotsInUse:     n.slots.InUse(),
+			MaxConnections: n.slots.Limit(),
+			Refused:        n.refused.Load(),
+			Draining:       n.draining.Load(),
+		}
+		for _, a := range n.reg.sessions() {
+			s := a.sess.Stats()
+			st.Sessions++
+			st.Connections += s.Conns
+			st.Buffered += s.Buffered
+			st.Queued += s.Queued
+		}
+		out = append(out, st)
+		return true
+	})
+	return out
+}
