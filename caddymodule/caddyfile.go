@@ -164,6 +164,15 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
 //	    transport sluice {
 //	        versions h2c                 # speak h2c to the agent's upstream
 //	    }
+//
+//	    # stream policy (server-sent events, long polls)
+//	    stream_response_content_types <media types...>|off  # default text/event-stream
+//	    stream_request_accept_types   <media types...>|off  # default text/event-stream
+//	    stream_path_prefixes          <prefixes...>
+//	    max_request_time              <duration>           # ordinary exchanges; default none
+//	    stream_max_request_time       <duration>           # streams; default none
+//	    stream_idle_timeout           <duration>           # silence between stream bytes
+//
 //	    ... (any other reverse_proxy subdirective)
 //	}
 func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
@@ -174,6 +183,10 @@ func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler,
 	}
 	d.Reset()
 	sh := new(Handler)
+	if err := sh.StreamPolicy.unmarshalAndStrip(d); err != nil {
+		return nil, err
+	}
+	d.Reset()
 	if err := sh.Handler.UnmarshalCaddyfile(d); err != nil {
 		return nil, err
 	}
@@ -223,5 +236,66 @@ func sizeArg(d *caddyfile.Dispenser, dst *int64) error {
 		return d.Errf("sluice: %s: %q is not a size like 512MiB", opt, s)
 	}
 	*dst = int64(v)
+	return nil
+}
+
+// unmarshalAndStrip reads the stream policy subdirectives of the `sluice`
+// directive and deletes their tokens, so reverse_proxy's parser sees only
+// its own.
+func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
+	for d.Next() {
+		for d.NextBlock(0) {
+			if d.Nesting() != 1 {
+				continue
+			}
+			opt := d.Val()
+			var err error
+			switch opt {
+			case "stream_response_content_types", "stream_request_accept_types":
+				args := d.RemainingArgs()
+				d.DeleteN(len(args) + 1)
+				if len(args) == 0 {
+					return d.Errf("sluice: %s: want media types, or off", opt)
+				}
+				list := args
+				if len(args) == 1 && args[0] == "off" {
+					list = []string{}
+				}
+				if opt == "stream_response_content_types" {
+					p.StreamResponseContentTypes = &list
+				} else {
+					p.StreamRequestAcceptTypes = &list
+				}
+			case "stream_path_prefixes":
+				args := d.RemainingArgs()
+				d.DeleteN(len(args) + 1)
+				if len(args) == 0 {
+					return d.Errf("sluice: %s: want path prefixes", opt)
+				}
+				p.StreamPathPrefixes = append(p.StreamPathPrefixes, args...)
+			case "max_request_time", "stream_max_request_time", "stream_idle_timeout":
+				args := d.RemainingArgs()
+				d.DeleteN(len(args) + 1)
+				if len(args) != 1 {
+					return d.Errf("sluice: %s: want one duration", opt)
+				}
+				dur, perr := caddy.ParseDuration(args[0])
+				if perr != nil || dur < 0 {
+					return d.Errf("sluice: %s: %q is not a duration", opt, args[0])
+				}
+				switch opt {
+				case "max_request_time":
+					p.MaxRequestTime = caddy.Duration(dur)
+				case "stream_max_request_time":
+					p.StreamMaxRequestTime = caddy.Duration(dur)
+				default:
+					p.StreamIdleTimeout = caddy.Duration(dur)
+				}
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
 )
 
 func init() {
@@ -29,8 +30,10 @@ const DefaultStreamCloseDelay = 24 * time.Hour
 // that says so. Every reverse_proxy option applies.
 type Handler struct {
 	reverseproxy.Handler
+	StreamPolicy
 
-	app *App
+	app    *App
+	logger *zap.Logger
 }
 
 // CaddyModule returns the Caddy module information.
@@ -63,11 +66,15 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.StreamCloseDelay == 0 {
 		h.StreamCloseDelay = caddy.Duration(DefaultStreamCloseDelay)
 	}
+	if err := h.StreamPolicy.validate(); err != nil {
+		return err
+	}
 	app, err := sluiceApp(ctx)
 	if err != nil {
 		return err
 	}
 	h.app = app
+	h.logger = ctx.Logger()
 	return h.Handler.Provision(ctx)
 }
 
@@ -92,7 +99,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		fmt.Fprintf(w, "503 Service Unavailable: no sluice agent is connected for %s\n", host)
 		return nil
 	}
-	return h.Handler.ServeHTTP(w, r, next)
+	return h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
+		return h.Handler.ServeHTTP(w, r, next)
+	})
 }
 
 // limited answers a request refused by a connection limit: 503 with

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -46,6 +47,8 @@ type node struct {
 	limitLog       *logThrottle
 	streamLog      *logThrottle
 	draining       atomic.Bool
+	drainCtx       context.Context // cancelled when the node starts draining
+	drainNow       context.CancelFunc
 	refused        atomic.Int64 // connections and requests refused by a limit
 	id             string
 
@@ -95,6 +98,8 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 		serveDone:      make(chan struct{}),
 	}
 	n.ports = newPortManager(n)
+	n.drainCtx, n.drainNow = context.WithCancel(context.Background())
+	go n.watchExit()
 	n.logger.Store(logger)
 	n.opts.Store(&nodeOptions{advertiseTimeout: 10 * time.Second, drainGrace: 10 * time.Second})
 	opts := []grpc.ServerOption{
@@ -428,6 +433,7 @@ func (n *node) connectionsOpen() int {
 // and waits (up to drain_grace) for open virtual connections to finish.
 func (n *node) drain() {
 	n.draining.Store(true)
+	n.drainNow()
 	n.ports.closeAll()
 	grace := n.opts.Load().drainGrace
 	for _, a := range n.reg.sessions() {
@@ -443,5 +449,26 @@ func (n *node) drain() {
 	}
 	if open > 0 {
 		n.log().Warn("drain grace over; closing open tunnel connections", zap.Int("connections", open), zap.Duration("drain_grace", grace))
+	}
+}
+
+// watchExit starts the drain as soon as the process begins to exit: Caddy
+// stops the HTTP servers before it cleans up apps, and with streams open
+// that stop would otherwise wait for them forever.
+func (n *node) watchExit() {
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-n.drainCtx.Done():
+			return
+		case <-tick.C:
+			if caddy.Exiting() {
+				n.log().Info("process exiting; draining tunnels", zap.Duration("drain_grace", n.opts.Load().drainGrace))
+				n.draining.Store(true)
+				n.drainNow()
+				return
+			}
+		}
 	}
 }

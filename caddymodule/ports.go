@@ -46,17 +46,28 @@ func parsePortRange(s string) (portRange, error) {
 type portClaim struct {
 	port      uint32
 	ln        net.Listener
-	claimants []*routeEntry
+	claimants []claimant
 }
 
-func (c *portClaim) owner() *routeEntry {
-	var best *routeEntry
-	for _, e := range c.claimants {
-		if best == nil || e.agent.agentID < best.agent.agentID {
-			best = e
+// claimant is one route claiming a port, with the session it belongs to.
+// The session is taken when the claim is made: the port serves connections
+// at once, while the registry may still be writing the entry's fields
+// (register and reroute set e.agent after admit), so nothing here reads
+// e.agent after the claim.
+type claimant struct {
+	e     *routeEntry
+	agent *agentSession
+}
+
+func (c *portClaim) owner() (claimant, bool) {
+	var best claimant
+	found := false
+	for _, x := range c.claimants {
+		if !found || x.agent.agentID < best.agent.agentID {
+			best, found = x, true
 		}
 	}
-	return best
+	return best, found
 }
 
 // portManager binds the ports agents claim within tcp_port_range and
@@ -85,22 +96,23 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 	if !opts.portRange.contains(port) {
 		return fmt.Errorf("port %d is outside tcp_port_range %s", port, opts.portRange)
 	}
+	me := claimant{e: e, agent: e.agent}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c := m.by[port]; c != nil {
-		if o := c.owner(); o != nil && o.agent.agentID < e.agent.agentID {
+		if o, ok := c.owner(); ok && o.agent.agentID < me.agent.agentID {
 			return fmt.Errorf("port %d is held by agent %s", port, o.agent.agentID)
 		}
-		c.claimants = append(c.claimants, e)
+		c.claimants = append(c.claimants, me)
 		return nil
 	}
 	ln, err := net.Listen("tcp", net.JoinHostPort(opts.tcpBind, strconv.Itoa(int(port))))
 	if err != nil {
 		return fmt.Errorf("port %d: %w", port, err)
 	}
-	c := &portClaim{port: port, ln: ln, claimants: []*routeEntry{e}}
+	c := &portClaim{port: port, ln: ln, claimants: []claimant{me}}
 	m.by[port] = c
-	m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", e.agent.agentID), zap.String("address", ln.Addr().String()))
+	m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", me.agent.agentID), zap.String("address", ln.Addr().String()))
 	go m.serve(c)
 	return nil
 }
@@ -115,7 +127,7 @@ func (m *portManager) release(e *routeEntry) {
 		return
 	}
 	for i, x := range c.claimants {
-		if x == e {
+		if x.e == e {
 			c.claimants = append(c.claimants[:i], c.claimants[i+1:]...)
 			break
 		}
@@ -131,13 +143,14 @@ func (m *portManager) release(e *routeEntry) {
 	}
 }
 
-func (m *portManager) owner(port uint32) *routeEntry {
+// owner returns the route (and its session) that owns port, if bound.
+func (m *portManager) owner(port uint32) (claimant, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c := m.by[port]; c != nil {
 		return c.owner()
 	}
-	return nil
+	return claimant{}, false
 }
 
 // serve relays every connection to the port's current owner.
@@ -147,12 +160,12 @@ func (m *portManager) serve(c *portClaim) {
 		if err != nil {
 			return // closed by release or shutdown
 		}
-		e := m.owner(c.port)
-		if e == nil {
+		o, ok := m.owner(c.port)
+		if !ok {
 			conn.Close()
 			continue
 		}
-		go m.n.relayTCP(conn, e, "")
+		go m.n.relayTCP(conn, o.e, o.agent, "")
 	}
 }
 

@@ -39,21 +39,23 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 	case target.ServerName != "":
 		routes = t.lookupSNI(target.ServerName)
 	default:
-		routes = t.byPort[target.LocalPort]
-		if e := a.node.ports.owner(target.LocalPort); e != nil {
-			routes = []*routeEntry{e}
+		if o, ok := a.node.ports.owner(target.LocalPort); ok {
+			return a.node.relayTCP(client, o.e, o.agent, target.ServerName)
 		}
+		routes = t.byPort[target.LocalPort]
 	}
 	if len(routes) == 0 {
 		return ErrNoRoute
 	}
-	return a.node.relayTCP(client, routes[0], target.ServerName)
+	// Entries of a loaded table are complete: reading e.agent is safe.
+	return a.node.relayTCP(client, routes[0], routes[0].agent, target.ServerName)
 }
 
-// relayTCP opens a virtual connection on e's session and relays client
-// through it, closing both when done or when the route's idle timeout
-// passes with no byte either way.
-func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error {
+// relayTCP opens a virtual connection for route e on its session ag and
+// relays client through it, closing both when done or when the route's idle
+// timeout passes with no byte either way. ag is passed rather than read from
+// e: a port claim serves connections before the registry finished writing e.
+func (n *node) relayTCP(client net.Conn, e *routeEntry, ag *agentSession, serverName string) error {
 	release, ok := n.clients.acquire(client.RemoteAddr().String(), n.opts.Load().maxConnsPerAddr)
 	if !ok {
 		n.refuseTCP(client, "max_connections_per_address")
@@ -66,7 +68,7 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		LocalAddr:  client.LocalAddr().String(),
 		ServerName: serverName,
 	}
-	up, err := e.agent.sess.Open(info)
+	up, err := ag.sess.Open(info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
 		n.refuseTCP(client, "max_connections")
 		return ErrLimit
@@ -156,9 +158,12 @@ func (c *idleConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
+// CloseWrite half-closes the wrapped connection. One that cannot half-close
+// reports it, so the relay ends both directions (as it does unwrapped)
+// rather than go on copying into a connection closed under it.
 func (c *idleConn) CloseWrite() error {
 	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
-	return c.Conn.Close()
+	return errors.New("connection cannot half-close")
 }

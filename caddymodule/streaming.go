@@ -1,0 +1,358 @@
+package caddymodule
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// StreamPolicy decides how long an exchange may last and when a response is
+// a stream (server-sent events, long polls): streams get their own
+// whole-exchange deadline and an idle bound between response bytes, and are
+// logged once when they close. The policy an exchange starts with is the one
+// it keeps; a reload affects new exchanges only.
+type StreamPolicy struct {
+	// StreamResponseContentTypes are the response media types that make
+	// an exchange a stream. Default ["text/event-stream"]; an empty list
+	// turns response classification off.
+	StreamResponseContentTypes *[]string `json:"stream_response_content_types,omitempty"`
+
+	// StreamRequestAcceptTypes are the Accept media types that announce a
+	// stream. An Accept match is provisional: the ordinary deadline holds
+	// until the response's Content-Type confirms the stream. Default
+	// ["text/event-stream"]; an empty list turns it off.
+	StreamRequestAcceptTypes *[]string `json:"stream_request_accept_types,omitempty"`
+
+	// StreamPathPrefixes are request path prefixes that are streams: the
+	// stream deadline applies from the start.
+	StreamPathPrefixes []string `json:"stream_path_prefixes,omitempty"`
+
+	// MaxRequestTime is the whole-exchange deadline of ordinary requests
+	// (connecting, upload, waiting for headers, the response). 0: none.
+	MaxRequestTime caddy.Duration `json:"max_request_time,omitempty"`
+
+	// StreamMaxRequestTime is the whole-exchange deadline of streams,
+	// counted from the request's start. 0: none.
+	StreamMaxRequestTime caddy.Duration `json:"stream_max_request_time,omitempty"`
+
+	// StreamIdleTimeout closes a stream whose upstream sent no byte for
+	// this long. 0: none.
+	StreamIdleTimeout caddy.Duration `json:"stream_idle_timeout,omitempty"`
+}
+
+var defaultStreamTypes = []string{"text/event-stream"}
+
+func (p *StreamPolicy) responseTypes() []string {
+	if p.StreamResponseContentTypes == nil {
+		return defaultStreamTypes
+	}
+	return *p.StreamResponseContentTypes
+}
+
+func (p *StreamPolicy) acceptTypes() []string {
+	if p.StreamRequestAcceptTypes == nil {
+		return defaultStreamTypes
+	}
+	return *p.StreamRequestAcceptTypes
+}
+
+func (p *StreamPolicy) validate() error {
+	for name, d := range map[string]caddy.Duration{
+		"max_request_time": p.MaxRequestTime, "stream_max_request_time": p.StreamMaxRequestTime,
+		"stream_idle_timeout": p.StreamIdleTimeout,
+	} {
+		if d < 0 {
+			return fmt.Errorf("sluice: %s must not be negative", name)
+		}
+	}
+	for _, list := range [][]string{p.responseTypes(), p.acceptTypes()} {
+		for _, t := range list {
+			if !strings.Contains(t, "/") || strings.ContainsAny(t, ",; ") {
+				return fmt.Errorf("sluice: %q is not a media type like text/event-stream", t)
+			}
+		}
+	}
+	return nil
+}
+
+// mediaTypeMatches reports whether a header value (a comma-separated list
+// of media types with optional parameters) names one of types: compared
+// case-insensitively, parameters ignored, whole values only.
+func mediaTypeMatches(header string, types []string) bool {
+	if header == "" || len(types) == 0 {
+		return false
+	}
+	for _, part := range strings.Split(header, ",") {
+		mt, _, _ := strings.Cut(part, ";")
+		mt = strings.TrimSpace(mt)
+		for _, t := range types {
+			if strings.EqualFold(mt, t) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// pathPrefixMatches reports whether path starts with a non-empty prefix.
+func pathPrefixMatches(path string, prefixes []string) bool {
+	for _, p := range prefixes {
+		if p != "" && strings.HasPrefix(path, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// Classification sources and outcomes, as logged.
+const (
+	classPathPrefix  = "path_prefix"
+	classAccept      = "request_accept"
+	classContentType = "response_content_type"
+
+	outcomeCompleted        = "completed"
+	outcomeClientDisconnect = "client_disconnect"
+	outcomeUpstreamError    = "upstream_error"
+	outcomeExchangeTimeout  = "exchange_timeout"
+	outcomeIdleTimeout      = "idle_timeout"
+	outcomeShutdown         = "shutdown"
+)
+
+var (
+	errExchangeTimeout = errors.New("sluice: exchange deadline passed")
+	errIdleTimeout     = errors.New("sluice: stream idle timeout")
+	errShutdown        = errors.New("sluice: node shutting down")
+)
+
+// exchange is the per-request state of the policy.
+type exchange struct {
+	policy   *StreamPolicy
+	start    time.Time
+	cancel   context.CancelCauseFunc
+	expected string // classification before the response (path_prefix / request_accept)
+
+	mu        sync.Mutex
+	confirmed string // classification once the response confirmed a stream
+	deadline  *time.Timer
+	idle      *time.Timer
+	shutdown  *time.Timer
+	committed bool
+
+	bytesOut atomic.Int64
+	bytesIn  atomic.Int64
+}
+
+// arm installs the whole-exchange deadline d, counted from the start.
+func (x *exchange) armLocked(d time.Duration) {
+	if x.deadline != nil {
+		x.deadline.Stop()
+		x.deadline = nil
+	}
+	if d <= 0 {
+		return
+	}
+	remaining := time.Until(x.start.Add(d))
+	x.deadline = time.AfterFunc(max(remaining, 0), func() { x.cancel(errExchangeTimeout) })
+}
+
+// onResponse classifies the response when its headers are written.
+func (x *exchange) onResponse(h http.Header) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.committed = true
+	if !mediaTypeMatches(h.Get("Content-Type"), x.policy.responseTypes()) {
+		return // an Accept-only match with an ordinary response stays ordinary
+	}
+	if x.expected == classPathPrefix {
+		x.confirmed = classPathPrefix
+	} else {
+		x.confirmed = classContentType
+		if x.expected == classAccept {
+			x.confirmed = classAccept
+		}
+		x.armLocked(time.Duration(x.policy.StreamMaxRequestTime))
+	}
+	// A stream's length is unknown: never let a Content-Length through.
+	h.Del("Content-Length")
+	if d := time.Duration(x.policy.StreamIdleTimeout); d > 0 {
+		x.idle = time.AfterFunc(d, func() { x.cancel(errIdleTimeout) })
+	}
+}
+
+// onBytes records response bytes and resets the idle bound.
+func (x *exchange) onBytes(n int) {
+	x.bytesOut.Add(int64(n))
+	x.mu.Lock()
+	if x.idle != nil {
+		x.idle.Reset(time.Duration(x.policy.StreamIdleTimeout))
+	}
+	x.mu.Unlock()
+}
+
+func (x *exchange) stop() {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.deadline != nil {
+		x.deadline.Stop()
+	}
+	if x.idle != nil {
+		x.idle.Stop()
+	}
+	if x.shutdown != nil {
+		x.shutdown.Stop()
+	}
+}
+
+func (x *exchange) isStream() bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.confirmed != "" || x.expected == classPathPrefix
+}
+
+// serveWithPolicy runs next under the stream policy.
+func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next func(http.ResponseWriter, *http.Request) error) error {
+	p := &h.StreamPolicy
+	clientCtx := r.Context()
+	ctx, cancel := context.WithCancelCause(clientCtx)
+	defer cancel(nil)
+	x := &exchange{policy: p, start: time.Now(), cancel: cancel}
+	switch {
+	case pathPrefixMatches(r.URL.Path, p.StreamPathPrefixes):
+		x.expected = classPathPrefix
+		x.armLocked(time.Duration(p.StreamMaxRequestTime))
+	default:
+		if mediaTypeMatches(r.Header.Get("Accept"), p.acceptTypes()) {
+			x.expected = classAccept
+		}
+		x.armLocked(time.Duration(p.MaxRequestTime))
+	}
+	defer x.stop()
+
+	// A node shutting down ends what is still running when its drain
+	// grace is over.
+	n := h.app.node
+	stopWatch := context.AfterFunc(n.drainCtx, func() {
+		x.mu.Lock()
+		x.shutdown = time.AfterFunc(n.opts.Load().drainGrace, func() { cancel(errShutdown) })
+		x.mu.Unlock()
+	})
+	defer stopWatch()
+
+	if r.Body != nil && r.Body != http.NoBody {
+		r.Body = &countingBody{ReadCloser: r.Body, n: &x.bytesIn}
+	}
+	pw := &policyWriter{ResponseWriter: w, x: x}
+	err := next(pw, r.WithContext(ctx))
+
+	cause := context.Cause(ctx)
+	x.mu.Lock()
+	committed := x.committed
+	x.mu.Unlock()
+	if errors.Is(cause, errExchangeTimeout) && !committed {
+		err = caddyhttp.Error(http.StatusGatewayTimeout, cause)
+	}
+	if x.isStream() {
+		h.logStream(r, x, outcome(err, cause, clientCtx))
+	}
+	if committed && cause != nil && !errors.Is(cause, context.Canceled) {
+		return nil // the stream was cut on purpose; the outcome is logged
+	}
+	return err
+}
+
+func outcome(err, cause error, clientCtx context.Context) string {
+	switch {
+	case errors.Is(cause, errExchangeTimeout):
+		return outcomeExchangeTimeout
+	case errors.Is(cause, errIdleTimeout):
+		return outcomeIdleTimeout
+	case errors.Is(cause, errShutdown):
+		return outcomeShutdown
+	case clientCtx.Err() != nil:
+		return outcomeClientDisconnect
+	case err != nil:
+		return outcomeUpstreamError
+	default:
+		return outcomeCompleted
+	}
+}
+
+func (h *Handler) logStream(r *http.Request, x *exchange, out string) {
+	x.mu.Lock()
+	class := x.confirmed
+	if class == "" {
+		class = x.expected
+	}
+	x.mu.Unlock()
+	h.logger.Info("stream closed",
+		zap.String("host", r.Host), zap.String("uri", r.RequestURI), zap.String("remote", r.RemoteAddr),
+		zap.String("classification", class), zap.String("outcome", out),
+		zap.Duration("duration", time.Since(x.start)),
+		zap.Int64("bytes_in", x.bytesIn.Load()), zap.Int64("bytes_out", x.bytesOut.Load()),
+		zap.Duration("stream_max_request_time", time.Duration(x.policy.StreamMaxRequestTime)),
+		zap.Duration("stream_idle_timeout", time.Duration(x.policy.StreamIdleTimeout)))
+}
+
+// countingBody counts request body bytes.
+type countingBody struct {
+	io.ReadCloser
+	n *atomic.Int64
+}
+
+func (b *countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n.Add(int64(n))
+	return n, err
+}
+
+// policyWriter sees the response head and every body write.
+type policyWriter struct {
+	http.ResponseWriter
+	x           *exchange
+	wroteHeader bool
+}
+
+func (w *policyWriter) WriteHeader(code int) {
+	if !w.wroteHeader && (code >= 200 || code == http.StatusSwitchingProtocols) {
+		w.wroteHeader = true
+		w.x.onResponse(w.Header())
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *policyWriter) Write(p []byte) (int, error) {
+	if !w.wroteHeader {
+		w.WriteHeader(http.StatusOK)
+	}
+	n, err := w.ResponseWriter.Write(p)
+	w.x.onBytes(n)
+	return n, err
+}
+
+// Unwrap lets http.ResponseController reach Flush, deadlines and Hijack.
+func (w *policyWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// Flush implements http.Flusher (reverse_proxy flushes streams).
+func (w *policyWriter) Flush() {
+	if !w.wroteHeader {
+		w.WriteHeader(http.StatusOK)
+	}
+	http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+// Hijack implements http.Hijacker for WebSocket upgrades.
+func (w *policyWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return http.NewResponseController(w.ResponseWriter).Hijack()
+}
