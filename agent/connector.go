@@ -19,9 +19,6 @@ import (
 
 // Connector defaults.
 const (
-	// DefaultMaxConnections is the connection limit when
-	// Config.MaxConnections is 0.
-	DefaultMaxConnections = 10000
 	// upstreamDialTimeout bounds the dial (and TLS handshake) to an upstream.
 	upstreamDialTimeout = 10 * time.Second
 	// dialLogEvery rate-limits dial failure lines, per upstream.
@@ -58,7 +55,9 @@ func newConnector(cfg *Config, log *zap.Logger) *connector {
 		dialTimeout: upstreamDialTimeout,
 	}
 	if c.maxConns == 0 {
-		c.maxConns = DefaultMaxConnections
+		// Derived as the node derives its own: half the memory limit,
+		// less the tunnel budget, at 293 KiB per connection.
+		c.maxConns = tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), 0, 0, 0).MaxConnections
 	}
 	for _, u := range cfg.Upstreams {
 		scheme, hostport := u.TargetURL()

@@ -113,6 +113,7 @@ type Agent struct {
 	conn     *connector
 	sessions atomic.Int64 // sessions acknowledged so far
 	current  atomic.Pointer[tunnelcore.Session]
+	budget   *tunnelcore.Budget // windows above 64 KiB, shared by the agent's sessions
 
 	backoffInitial, backoffMax time.Duration
 	ackTimeout                 time.Duration
@@ -147,6 +148,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		ackTimeout:     ackTimeout,
 		drainMargin:    drainMargin,
 		connected:      make(chan struct{}),
+		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), 0, 0, 0).Budget),
 	}
 	for _, o := range opts {
 		o(a)
@@ -493,6 +495,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(rs, cancel), tunnelcore.Config{
 		Role:      tunnelcore.RoleAgent,
 		OnControl: onControl,
+		Budget:    a.budget,
 		Logger:    a.log,
 	})
 	if err != nil {

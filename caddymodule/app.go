@@ -275,12 +275,12 @@ func (a *App) generatedToken() (string, error) {
 func (a *App) Start() error {
 	a.node.token.Store(&a.token)
 	a.node.logger.Store(a.logger)
-	lim := deriveLimits(memoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
-	a.node.budget.SetLimit(lim.budget)
-	a.node.slots.SetLimit(lim.maxConnections)
+	lim := tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
+	a.node.budget.SetLimit(lim.Budget)
+	a.node.slots.SetLimit(lim.MaxConnections)
 	a.logger.Info("sluice limits",
-		zap.Int64("memory_limit", lim.memory), zap.Int64("tunnel_budget", lim.budget),
-		zap.Int64("connection_memory", lim.connMemory), zap.Int64("max_connections", lim.maxConnections),
+		zap.Int64("memory_limit", lim.Memory), zap.Int64("tunnel_budget", lim.Budget),
+		zap.Int64("connection_memory", lim.ConnMemory), zap.Int64("max_connections", lim.MaxConnections),
 		zap.Int("max_connections_per_address", a.MaxConnectionsPerAddress),
 		zap.Int("max_sessions", a.MaxSessions), zap.Int("max_pending_streams", a.MaxPendingStreams))
 	a.node.opts.Store(&nodeOptions{

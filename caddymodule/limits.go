@@ -1,73 +1,11 @@
 package caddymodule
 
 import (
-	"bufio"
 	"go.uber.org/zap"
-	"math"
 	"net"
-	"os"
-	"runtime/debug"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 )
-
-// connectionCost is the worst-case memory one virtual connection holds
-// outside the budget: a 64 KiB receive window, what it queues in front of
-// the sender, and the relay's copy buffers (the reference's 293 KiB).
-const connectionCost = 293 << 10
-
-// memoryLimit is what the process may use: GOMEMLIMIT when set, else the
-// cgroup limit, else physical memory.
-func memoryLimit() int64 {
-	if l := debug.SetMemoryLimit(-1); l > 0 && l != math.MaxInt64 {
-		return l
-	}
-	if b, err := os.ReadFile("/sys/fs/cgroup/memory.max"); err == nil {
-		if v, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil && v > 0 {
-			return v
-		}
-	}
-	if f, err := os.Open("/proc/meminfo"); err == nil {
-		defer f.Close()
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			fields := strings.Fields(sc.Text())
-			if len(fields) >= 2 && fields[0] == "MemTotal:" {
-				if kb, err := strconv.ParseInt(fields[1], 10, 64); err == nil {
-					return kb << 10
-				}
-			}
-		}
-	}
-	return 4 << 30
-}
-
-// derivedLimits are the defaults the reference derives from memory: half of
-// it for the data plane, an eighth of that half for the tunnel budget, the
-// rest for connections at connectionCost each.
-type derivedLimits struct {
-	memory         int64
-	budget         int64
-	connMemory     int64
-	maxConnections int64
-}
-
-func deriveLimits(memory, budget, connMemory, maxConns int64) derivedLimits {
-	d := derivedLimits{memory: memory, budget: budget, connMemory: connMemory, maxConnections: maxConns}
-	half := memory / 2
-	if d.budget <= 0 {
-		d.budget = half / 8
-	}
-	if d.connMemory <= 0 {
-		d.connMemory = max(half-d.budget, connectionCost)
-	}
-	if d.maxConnections <= 0 {
-		d.maxConnections = max(d.connMemory/connectionCost, 1)
-	}
-	return d
-}
 
 // addrLimiter counts what each client address holds (requests in flight,
 // relayed connections, sessions) against a per-address maximum.
