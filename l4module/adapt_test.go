@@ -61,3 +61,23 @@ func TestCaddyfileErrors(t *testing.T) {
 		t.Fatalf("got %v", err)
 	}
 }
+
+// TestCaddyfileExampleAdapts keeps the repository's Caddyfile.example valid.
+func TestCaddyfileExampleAdapts(t *testing.T) {
+	raw, err := os.ReadFile("../Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, warnings, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt(raw, map[string]any{"filename": "Caddyfile.example"})
+	if err != nil {
+		t.Fatalf("Caddyfile.example does not adapt: %v", err)
+	}
+	for _, w := range warnings {
+		t.Errorf("Caddyfile.example warning: %s:%d: %s", w.File, w.Line, w.Message)
+	}
+	for _, want := range []string{`"sluice"`, `"layer4"`, `"tcp_port_range":"16000-16999"`} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("adapted Caddyfile.example lacks %s", want)
+		}
+	}
+}
