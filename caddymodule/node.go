@@ -46,6 +46,7 @@ type node struct {
 	sessionsByAddr *addrLimiter
 	limitLog       *logThrottle
 	streamLog      *logThrottle
+	portLog        *logThrottle
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
@@ -93,6 +94,7 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 		sessionsByAddr: newAddrLimiter(),
 		limitLog:       newLogThrottle(10*time.Second, 5),
 		streamLog:      newLogThrottle(10*time.Second, 5),
+		portLog:        newLogThrottle(time.Minute, 5),
 		id:             ln.Addr().String(),
 		onSession:      map[any]func(){},
 		serveDone:      make(chan struct{}),
@@ -151,7 +153,15 @@ func (n *node) unwatchSessions(key any) {
 	n.mu.Unlock()
 }
 
-func (n *node) sessionEnded() {
+// sessionEnded drops the pooled connections of the ended session.
+func (n *node) sessionEnded() { n.closeIdleConns() }
+
+// closeIdleConns closes the idle keep-alive connections every transport
+// pools. Each holds a connection slot: they are closed when a session ends,
+// when max_connections refuses a connection (so pooled idle connections do
+// not starve new ones for the transport's idle timeout), and when the node
+// drains (they are not in flight).
+func (n *node) closeIdleConns() {
 	n.mu.Lock()
 	fns := make([]func(), 0, len(n.onSession))
 	for _, fn := range n.onSession {
@@ -348,17 +358,20 @@ func names(es []*routeEntry) []string {
 // routes. Routes it cannot take are returned as rejected, with the reason.
 func (n *node) admit(a *agentSession, routes []*tunnelpb.Route) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
 	entries, rejected := validateRoutes(routes)
+	n.reg.bind(a, entries)
 	opts := n.opts.Load()
 	kept := entries[:0]
 	for _, e := range entries {
-		e.agent = a
 		if e.route.GetListenPort() == 0 {
 			kept = append(kept, e)
 			continue
 		}
 		if err := n.ports.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route), ListenPort: e.route.GetListenPort(), Reason: err.Error()})
-			n.log().Warn("agent port route rejected", zap.String("agent", a.agentID), zap.Uint32("port", e.route.GetListenPort()), zap.Error(err))
+			if ok, suppressed := n.portLog.allow(); ok {
+				n.log().Warn("agent port route rejected", zap.String("agent", a.agentID), zap.Uint32("port", e.route.GetListenPort()),
+					zap.Error(err), zap.Int("suppressed_since_last", suppressed))
+			}
 			continue
 		}
 		kept = append(kept, e)
@@ -435,6 +448,7 @@ func (n *node) drain() {
 	n.draining.Store(true)
 	n.drainNow()
 	n.ports.closeAll()
+	n.closeIdleConns() // idle pooled connections are not in flight: do not wait for them
 	grace := n.opts.Load().drainGrace
 	for _, a := range n.reg.sessions() {
 		a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{

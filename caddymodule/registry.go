@@ -23,7 +23,6 @@ const dialSuffix = ".sluice"
 // agentSession is one registered agent stream.
 type agentSession struct {
 	agentID   string
-	gen       uint64 // unique per registration on this node
 	sess      *tunnelcore.Session
 	remote    string
 	build     string
@@ -136,16 +135,22 @@ func routeName(rt *tunnelpb.Route) string {
 	}
 }
 
+// bind ties entries to their session and names each with a dial address
+// of a fresh generation. It runs before the entries are published anywhere
+// (port claims, the route table), which then only read them.
+func (r *registry) bind(a *agentSession, entries []*routeEntry) {
+	gen := r.nextGen.Add(1)
+	for i, e := range entries {
+		e.agent = a
+		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(gen, 10) + dialSuffix
+	}
+}
+
 // register adds a session for agentID, replacing any earlier session of the
 // same agent (which is left to end by itself).
 func (r *registry) register(a *agentSession, entries []*routeEntry) (replaced *agentSession) {
-	a.gen = r.nextGen.Add(1)
-	for i, e := range entries {
-		e.agent = a
-		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(a.gen, 10) + dialSuffix
-	}
-	a.routes = entries
 	r.mu.Lock()
+	a.routes = entries
 	defer r.mu.Unlock()
 	replaced = r.agents[a.agentID]
 	r.agents[a.agentID] = a
@@ -299,15 +304,9 @@ func normalizeHost(hostport string) string {
 // Advertise). The generation changes, so pooled connections of the old
 // routes are not reused for the new ones.
 func (r *registry) reroute(a *agentSession, entries []*routeEntry) {
-	gen := r.nextGen.Add(1)
-	for i, e := range entries {
-		e.agent = a
-		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(gen, 10) + dialSuffix
-	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	a.routes = entries
-	a.gen = gen
 	if r.agents[a.agentID] == a {
 		r.rebuildLocked()
 	}

@@ -53,6 +53,7 @@ type caddyServer struct {
 	httpPort    int
 	httpsPort   int
 	storage     string
+	global      string // extra global options (startCaddyGlobal, loadGlobal)
 }
 
 // caddyMu serialises tests that run Caddy: its config is process-global.
@@ -63,10 +64,18 @@ var caddyMu sync.Mutex
 // and HTTPS ports, no admin endpoint.
 func startCaddy(t testing.TB, body string) *caddyServer {
 	t.Helper()
+	return startCaddyGlobal(t, "", body)
+}
+
+// startCaddyGlobal is startCaddy with extra global options (layer4 blocks,
+// servers options, more sluice settings: several sluice blocks merge).
+// {HTTP} and {HTTPS} in global and body stand for the site ports.
+func startCaddyGlobal(t testing.TB, global, body string) *caddyServer {
+	t.Helper()
 	caddyMu.Lock()
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	c := &caddyServer{t: t, controlPort: freePort(t), httpPort: freePort(t), httpsPort: freePort(t), storage: t.TempDir()}
+	c := &caddyServer{t: t, controlPort: freePort(t), httpPort: freePort(t), httpsPort: freePort(t), storage: t.TempDir(), global: global}
 	c.load(body)
 	t.Cleanup(func() {
 		caddy.Stop()
@@ -76,7 +85,7 @@ func startCaddy(t testing.TB, body string) *caddyServer {
 }
 
 func (c *caddyServer) caddyfile(body string) string {
-	return fmt.Sprintf(`{
+	cf := fmt.Sprintf(`{
 	admin off
 	persist_config off
 	skip_install_trust
@@ -91,10 +100,12 @@ func (c *caddyServer) caddyfile(body string) string {
 		listen 127.0.0.1:%d
 		token %s
 	}
+%s
 }
 
 %s
-`, c.storage, c.httpPort, c.httpsPort, c.controlPort, testToken, strings.ReplaceAll(body, "{HTTP}", fmt.Sprint(c.httpPort)))
+`, c.storage, c.httpPort, c.httpsPort, c.controlPort, testToken, c.global, body)
+	return strings.NewReplacer("{HTTP}", fmt.Sprint(c.httpPort), "{HTTPS}", fmt.Sprint(c.httpsPort)).Replace(cf)
 }
 
 // load adapts and (re)loads a Caddyfile body: a second call is a reload.
@@ -107,6 +118,13 @@ func (c *caddyServer) load(body string) {
 	if err := caddy.Load(cfgJSON, true); err != nil {
 		c.t.Fatalf("caddy load: %v", err)
 	}
+}
+
+// loadGlobal reloads with other extra global options.
+func (c *caddyServer) loadGlobal(global, body string) {
+	c.t.Helper()
+	c.global = global
+	c.load(body)
 }
 
 // url is the plain-HTTP URL of path on the site port.

@@ -105,11 +105,28 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // through the Connection so bytes matchers peeked are replayed.
 type conn struct{ *layer4.Connection }
 
+// CloseWrite half-closes the client connection. Handlers before sluice wrap
+// it (proxy_protocol in a *proxyproto.Conn, which cannot half-close, inside
+// a *layer4.Connection), so it looks through wrappers for the first
+// connection that can: a *tls.Conn (close_notify) or the *net.TCPConn.
+// Without this a half-close after proxy_protocol closed both directions.
 func (c conn) CloseWrite() error {
-	if cw, ok := c.Connection.Conn.(interface{ CloseWrite() error }); ok {
-		return cw.CloseWrite()
+	nc := c.Connection.Conn
+	for range 16 {
+		switch x := nc.(type) {
+		case interface{ CloseWrite() error }:
+			return x.CloseWrite()
+		case *layer4.Connection:
+			nc = x.Conn
+		case interface{ Raw() net.Conn }: // *proxyproto.Conn
+			nc = x.Raw()
+		case interface{ NetConn() net.Conn }:
+			nc = x.NetConn()
+		default:
+			return errors.New("connection cannot half-close")
+		}
 	}
-	return errors.New("connection cannot half-close")
+	return errors.New("connection cannot half-close: too many wrappers")
 }
 
 // Interface guards
