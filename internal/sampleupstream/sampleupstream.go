@@ -58,18 +58,35 @@ func upload(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "%d %s\n", n, hex.EncodeToString(h.Sum(nil)))
 }
 
-// Pattern returns the deterministic content of a /download of size bytes.
+// Pattern returns the deterministic content of a /download of size bytes:
+// a pseudo-random block of patternPeriod bytes (a prime, so it never lines
+// up with buffer sizes) repeated, produced by copying rather than byte by
+// byte so the upstream is never what limits a benchmark.
 func Pattern(size int64) io.Reader { return io.LimitReader(&patternReader{}, size) }
+
+const patternPeriod = 65521
+
+var patternBlock = func() []byte {
+	b := make([]byte, 2*patternPeriod)
+	for i := range patternPeriod {
+		x := uint64(i)
+		b[i] = byte(x*2654435761>>13) ^ byte(x)
+	}
+	copy(b[patternPeriod:], b[:patternPeriod])
+	return b
+}()
 
 type patternReader struct{ off int64 }
 
 func (p *patternReader) Read(b []byte) (int, error) {
-	for i := range b {
-		x := uint64(p.off + int64(i))
-		b[i] = byte(x*2654435761>>13) ^ byte(x)
+	n := 0
+	for n < len(b) {
+		start := int(p.off % patternPeriod)
+		m := copy(b[n:], patternBlock[start:start+patternPeriod])
+		n += m
+		p.off += int64(m)
 	}
-	p.off += int64(len(b))
-	return len(b), nil
+	return n, nil
 }
 
 // download streams ?size= bytes of Pattern (default 1 MiB); chunked=1
