@@ -2,8 +2,10 @@ package caddymodule
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -11,6 +13,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+
+	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 func init() {
@@ -83,9 +87,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	n := h.app.node
 	host := normalizeHost(r.Host)
-	if n.slots.Full() {
-		return h.limited(w, r, "max_connections")
-	}
+	// max_connections is not checked here: a request that reuses an idle
+	// pooled connection takes no new slot. A dial that finds every slot
+	// taken fails with tunnelcore.ErrConnLimit, answered below.
 	release, ok := n.clients.acquire(r.RemoteAddr, n.opts.Load().maxConnsPerAddr)
 	if !ok {
 		return h.limited(w, r, "max_connections_per_address")
@@ -99,21 +103,46 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		fmt.Fprintf(w, "503 Service Unavailable: no sluice agent is connected for %s\n", host)
 		return nil
 	}
-	return h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
+	err := h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
 		return h.Handler.ServeHTTP(w, r, next)
 	})
+	if isConnLimit(err) {
+		// Nothing was written: the dial failed. The transport counted and
+		// logged the refusal.
+		answerLimited(w, "max_connections")
+		return nil
+	}
+	return err
+}
+
+// isConnLimit reports whether err is a dial the transport failed because
+// every connection slot was taken. reverseproxy.DialError does not unwrap,
+// so below it the sentinel is recognised by its text.
+func isConnLimit(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, tunnelcore.ErrConnLimit) {
+		return true
+	}
+	var de reverseproxy.DialError
+	return errors.As(err, &de) && strings.Contains(de.Error(), tunnelcore.ErrConnLimit.Error())
 }
 
 // limited answers a request refused by a connection limit: 503 with
 // Retry-After, counted and logged through the throttle.
 func (h *Handler) limited(w http.ResponseWriter, r *http.Request, limit string) error {
 	h.app.node.logLimit("http", limit, r.RemoteAddr)
+	answerLimited(w, limit)
+	return nil
+}
+
+func answerLimited(w http.ResponseWriter, limit string) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
 	w.Header().Set("Retry-After", "1")
 	w.WriteHeader(http.StatusServiceUnavailable)
 	fmt.Fprintf(w, "503 Service Unavailable: the tunnel is at its connection limit (%s); retry shortly\n", limit)
-	return nil
 }
 
 // moduleName reads the inline module name (e.g. "protocol") of a raw module.

@@ -109,13 +109,19 @@ func (t *logThrottle) allow() (bool, int) {
 // refuseTCP closes a TCP connection refused by a limit, counting and
 // logging it through the throttle.
 func (n *node) refuseTCP(client net.Conn, limit string) {
-	client.Close()
+	// Count first: whoever sees the close also sees the count.
 	n.logLimit("tcp", limit, client.RemoteAddr().String())
+	client.Close()
 }
 
-// logLimit counts a refusal and logs it through the throttle.
+// logLimit counts a refusal and logs it through the throttle. A refusal by
+// max_connections also closes the idle pooled HTTP connections, whose slots
+// would otherwise stay taken until the transport's idle timeout.
 func (n *node) logLimit(kind, limit, remote string) {
 	n.refused.Add(1)
+	if limit == "max_connections" {
+		n.closeIdleConns()
+	}
 	if ok, suppressed := n.limitLog.allow(); ok {
 		n.log().Warn("connection refused by a limit", zap.String("kind", kind), zap.String("limit", limit),
 			zap.String("remote", remote), zap.Int64("refused_total", n.refused.Load()), zap.Int("suppressed_since_last", suppressed))

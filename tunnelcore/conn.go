@@ -340,9 +340,11 @@ func (c *Conn) reserve(want int) (int, error) {
 			c.mu.Unlock()
 			return 0, ErrWriteClosed
 		}
-		if c.credit > 0 && c.queued.Load() < int64(c.s.cfg.SendQueue) {
+		if room := int64(c.s.cfg.SendQueue) - c.queued.Load(); c.credit > 0 && room > 0 {
+			// Never past SendQueue: the sender only lowers queued, so
+			// the room measured here is there.
 			n := int64(min(want, c.s.cfg.MaxFrameSize))
-			n = min(n, c.credit)
+			n = min(n, c.credit, room)
 			c.credit -= n
 			c.queued.Add(n)
 			c.mu.Unlock()
