@@ -51,6 +51,10 @@ type Config struct {
 	// MaxConnections limits concurrent virtual connections; 0 means the
 	// default (derived by the caller). Must be >= 0.
 	MaxConnections int `yaml:"max_connections"`
+	// TunnelBudget is the bytes the receive windows above 64 KiB of all
+	// the agent's connections may hold; 0 means an eighth of half the
+	// memory limit. Must be >= 0.
+	TunnelBudget int64 `yaml:"tunnel_budget"`
 	// LogLevel is debug, info, warn or error; default info.
 	LogLevel string `yaml:"log_level"`
 
@@ -189,6 +193,7 @@ const (
 	EnvLogLevel       = "SLUICE_LOG_LEVEL"
 	EnvMaxConnections = "SLUICE_MAX_CONNECTIONS"
 	EnvUpstreams      = "SLUICE_UPSTREAMS"
+	EnvTunnelBudget   = "SLUICE_TUNNEL_BUDGET"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -225,6 +230,14 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 			errs = append(errs, fmt.Errorf("%s: invalid integer %q", EnvMaxConnections, v))
 		} else {
 			c.MaxConnections = n
+		}
+	}
+	if v := getenv(EnvTunnelBudget); v != "" {
+		n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: invalid integer %q", EnvTunnelBudget, v))
+		} else {
+			c.TunnelBudget = n
 		}
 	}
 	if v := getenv(EnvUpstreams); v != "" {
@@ -350,6 +363,9 @@ func (c *Config) Validate() error {
 		c.LogLevel = "info"
 	} else if !logLevels[c.LogLevel] {
 		fail("log_level", "%q not supported (want debug, info, warn or error)", c.LogLevel)
+	}
+	if c.TunnelBudget < 0 {
+		fail("tunnel_budget", "must be >= 0, got %d", c.TunnelBudget)
 	}
 	if c.MaxConnections < 0 {
 		fail("max_connections", "must be >= 0, got %d", c.MaxConnections)

@@ -71,6 +71,9 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 	if set["max-connections"] {
 		c.MaxConnections = v.maxConns
 	}
+	if set["tunnel-budget"] {
+		c.TunnelBudget = v.tunnelBudget
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
@@ -96,6 +99,7 @@ type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
 	insecure                                               bool
 	maxConns                                               int
+	tunnelBudget                                           int64
 	upstreams                                              stringList
 }
 
@@ -113,6 +117,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.StringVar(&v.caFile, "ca-file", "", "grpcs: PEM CA bundle `file` to trust instead of the system roots ($"+EnvCAFile+")")
 	fs.StringVar(&v.logLevel, "log-level", "", "debug, info, warn or error; default info ($"+EnvLogLevel+")")
 	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
+	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	return fs, v
 }

@@ -148,7 +148,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		ackTimeout:     ackTimeout,
 		drainMargin:    drainMargin,
 		connected:      make(chan struct{}),
-		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), 0, 0, 0).Budget),
+		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).Budget),
 	}
 	for _, o := range opts {
 		o(a)

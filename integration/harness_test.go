@@ -156,9 +156,29 @@ func startAgent(t testing.TB, serverURL, id string, upstreams ...agent.Upstream)
 	return a
 }
 
+// startAgentWith is startAgent with a hook to adjust the configuration.
+func startAgentWith(t testing.TB, serverURL, id string, adjust func(*agent.Config), upstreams ...agent.Upstream) *runningAgent {
+	t.Helper()
+	a := launchAgentWith(t, serverURL, id, testToken, adjust, upstreams...)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := a.WaitConnected(ctx); err != nil {
+		t.Fatalf("agent %s never connected: %v", id, err)
+	}
+	return a
+}
+
 func launchAgent(t testing.TB, serverURL, id, token string, upstreams ...agent.Upstream) *runningAgent {
 	t.Helper()
+	return launchAgentWith(t, serverURL, id, token, nil, upstreams...)
+}
+
+func launchAgentWith(t testing.TB, serverURL, id, token string, adjust func(*agent.Config), upstreams ...agent.Upstream) *runningAgent {
+	t.Helper()
 	cfg := &agent.Config{Server: serverURL, Token: token, ID: id, Upstreams: upstreams}
+	if adjust != nil {
+		adjust(cfg)
+	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("agent config: %v", err)
 	}

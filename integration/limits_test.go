@@ -557,7 +557,7 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 	c := startLimitCaddy(t, "\t\ttunnel_budget 4MiB", "", siteAll)
 	app := startUpstream(t, "app")
 	hold := startLimHoldUpstream(t)
-	a := startAgent(t, c.serverURL(), "agent-a",
+	a := startAgentWith(t, c.serverURL(), "agent-a", func(cfg *agent.Config) { cfg.TunnelBudget = 4 << 20 },
 		agent.Upstream{Host: "dl.test", Target: app},
 		agent.Upstream{Host: "ul.test", Target: hold.url})
 	budget := c.mustStats(t).BudgetLimit
@@ -603,14 +603,13 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 	}
 
 	// What the implementation promises: a receive window holds at most 64
-	// KiB outside the budget, a send queue at most SendQueue. The node's
-	// windows grow against tunnel_budget; the agent's against its own
-	// budget (derived from its memory limit, not configurable), so there
-	// only the largest window bounds them.
+	// KiB outside the budget, a send queue at most SendQueue. The node
+	// receives the eight downloads, the agent the eight uploads; each end's
+	// windows grow against its own 4 MiB budget.
 	n := int64(2 * conns)
 	queueBound := n * tunnelcore.DefaultSendQueue
-	nodeBufBound := n*tunnelcore.InitialWindow + budget
-	agentBufBound := n * tunnelcore.DefaultMaxWindow
+	nodeBufBound := int64(conns)*tunnelcore.InitialWindow + budget
+	agentBufBound := int64(conns)*tunnelcore.InitialWindow + 4<<20
 	tight := n*tunnelcore.InitialWindow + budget // 16 x 64 KiB + budget
 	var nodePeak, agentPeak, nodeBufPeak, agentBufPeak, nodeQPeak, agentQPeak, budgetPeak int64
 	var violation string
