@@ -134,6 +134,7 @@ var (
 	errExchangeTimeout = errors.New("sluice: exchange deadline passed")
 	errIdleTimeout     = errors.New("sluice: stream idle timeout")
 	errShutdown        = errors.New("sluice: node shutting down")
+	errAborted         = errors.New("sluice: response aborted")
 )
 
 // exchange is the per-request state of the policy.
@@ -254,7 +255,20 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 		r.Body = &countingBody{ReadCloser: r.Body, n: &x.bytesIn}
 	}
 	pw := &policyWriter{ResponseWriter: w, x: x}
+	// reverse_proxy ends a response it cannot finish once the headers are
+	// out (a deadline or the idle bound cancelled the upstream read, the
+	// client left, the upstream failed) with panic(http.ErrAbortHandler),
+	// so next does not return: log the stream on the way out and let the
+	// panic go on (net/http then closes the connection or resets the
+	// stream, which is what tells the client the stream was cut).
+	returned := false
+	defer func() {
+		if !returned && x.isStream() {
+			h.logStream(r, x, outcome(errAborted, context.Cause(ctx), clientCtx, n.drainCtx))
+		}
+	}()
 	err := next(pw, r.WithContext(ctx))
+	returned = true
 
 	cause := context.Cause(ctx)
 	x.mu.Lock()
@@ -264,7 +278,7 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 		err = caddyhttp.Error(http.StatusGatewayTimeout, cause)
 	}
 	if x.isStream() {
-		h.logStream(r, x, outcome(err, cause, clientCtx))
+		h.logStream(r, x, outcome(err, cause, clientCtx, n.drainCtx))
 	}
 	if committed && cause != nil && !errors.Is(cause, context.Canceled) {
 		return nil // the stream was cut on purpose; the outcome is logged
@@ -272,7 +286,10 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	return err
 }
 
-func outcome(err, cause error, clientCtx context.Context) string {
+// outcome names how an exchange ended. A failure while the node drains is
+// a shutdown even when the drain closed the tunnel connection before the
+// exchange's own grace timer fired (the two race at the end of the grace).
+func outcome(err, cause error, clientCtx, drainCtx context.Context) string {
 	switch {
 	case errors.Is(cause, errExchangeTimeout):
 		return outcomeExchangeTimeout
@@ -282,6 +299,8 @@ func outcome(err, cause error, clientCtx context.Context) string {
 		return outcomeShutdown
 	case clientCtx.Err() != nil:
 		return outcomeClientDisconnect
+	case err != nil && drainCtx.Err() != nil:
+		return outcomeShutdown
 	case err != nil:
 		return outcomeUpstreamError
 	default:
