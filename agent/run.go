@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -402,6 +403,11 @@ func (a *Agent) dialOptions() []grpc.DialOption {
 	return []grpc.DialOption{
 		grpc.WithTransportCredentials(a.creds),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
+		// DATA buffers come from tunnelcore's pool (not zeroed on reuse),
+		// and larger socket buffers halve the syscalls per byte.
+		experimental.WithBufferPool(tunnelcore.BufferPool()),
+		grpc.WithReadBufferSize(tunnelcore.GRPCBufferSize),
+		grpc.WithWriteBufferSize(tunnelcore.GRPCBufferSize),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{
 			Time:                30 * time.Second,
 			Timeout:             10 * time.Second,

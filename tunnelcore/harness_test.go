@@ -146,7 +146,7 @@ func envInt(name string) int {
 }
 
 func benchServerOpts() []grpc.ServerOption {
-	var o []grpc.ServerOption
+	o := []grpc.ServerOption{grpc.WriteBufferSize(GRPCBufferSize), grpc.ReadBufferSize(GRPCBufferSize)}
 	if n := envInt("WB"); n > 0 {
 		o = append(o, grpc.WriteBufferSize(n), grpc.ReadBufferSize(n))
 	}
@@ -157,7 +157,7 @@ func benchServerOpts() []grpc.ServerOption {
 }
 
 func benchDialOpts() []grpc.DialOption {
-	var o []grpc.DialOption
+	o := []grpc.DialOption{grpc.WithWriteBufferSize(GRPCBufferSize), grpc.WithReadBufferSize(GRPCBufferSize)}
 	if n := envInt("WB"); n > 0 {
 		o = append(o, grpc.WithWriteBufferSize(n), grpc.WithReadBufferSize(n))
 	}
