@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/sluice-tunnel/sluice/internal/logthrottle"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -44,7 +45,7 @@ type upstream struct {
 	scheme   string // http, https or tcp
 	hostport string
 	tls      *tls.Config // https targets
-	dialLog  throttle
+	dialLog  *logthrottle.Throttle
 }
 
 func newConnector(cfg *Config, log *zap.Logger) *connector {
@@ -61,7 +62,7 @@ func newConnector(cfg *Config, log *zap.Logger) *connector {
 	}
 	for _, u := range cfg.Upstreams {
 		scheme, hostport := u.TargetURL()
-		up := &upstream{cfg: u, scheme: scheme, hostport: hostport, dialLog: throttle{every: dialLogEvery}}
+		up := &upstream{cfg: u, scheme: scheme, hostport: hostport, dialLog: logthrottle.New(dialLogEvery, 1)}
 		if scheme == "https" {
 			up.tls = &tls.Config{
 				ServerName:         upstreamServerName(u.RewriteHost, hostport),
@@ -148,7 +149,7 @@ func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstr
 	target := up.cfg.Target
 	uc, err := c.dial(ctx, up)
 	if err != nil {
-		if ok, suppressed := up.dialLog.allow(); ok {
+		if ok, suppressed := up.dialLog.Allow(); ok {
 			c.log.Warn("upstream dial failed",
 				zap.String("route", up.cfg.Name), zap.String("target", target),
 				zap.Error(err), zap.Int("suppressed", suppressed))
@@ -168,7 +169,7 @@ func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstr
 		uc.SetWriteDeadline(time.Time{})
 		if err != nil {
 			uc.Close()
-			if ok, suppressed := up.dialLog.allow(); ok {
+			if ok, suppressed := up.dialLog.Allow(); ok {
 				c.log.Warn("upstream PROXY header failed",
 					zap.String("route", up.cfg.Name), zap.String("target", target),
 					zap.Error(err), zap.Int("suppressed", suppressed))
@@ -277,27 +278,4 @@ func proxyHeaderV2(src, dst string) []byte {
 	}
 	hdr = binary.BigEndian.AppendUint16(hdr, s.Port())
 	return binary.BigEndian.AppendUint16(hdr, d.Port())
-}
-
-// throttle allows one event per period and counts the ones it suppressed.
-type throttle struct {
-	every time.Duration
-
-	mu         sync.Mutex
-	last       time.Time
-	suppressed int
-}
-
-func (t *throttle) allow() (bool, int) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	now := time.Now()
-	if !t.last.IsZero() && now.Sub(t.last) < t.every {
-		t.suppressed++
-		return false, 0
-	}
-	n := t.suppressed
-	t.suppressed = 0
-	t.last = now
-	return true, n
 }

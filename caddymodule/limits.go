@@ -4,7 +4,6 @@ import (
 	"go.uber.org/zap"
 	"net"
 	"sync"
-	"time"
 )
 
 // addrLimiter counts what each client address holds (requests in flight,
@@ -73,39 +72,6 @@ func (c *counterLimiter) acquire(limit int) (release func(), ok bool) {
 	}, true
 }
 
-// logThrottle allows at most burst lines per period and reports how many it
-// suppressed since the last line it allowed.
-type logThrottle struct {
-	period time.Duration
-	burst  int
-
-	mu         sync.Mutex
-	start      time.Time
-	lines      int
-	suppressed int
-}
-
-func newLogThrottle(period time.Duration, burst int) *logThrottle {
-	return &logThrottle{period: period, burst: burst}
-}
-
-func (t *logThrottle) allow() (bool, int) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	now := time.Now()
-	if now.Sub(t.start) >= t.period {
-		t.start, t.lines = now, 0
-	}
-	if t.lines >= t.burst {
-		t.suppressed++
-		return false, 0
-	}
-	t.lines++
-	n := t.suppressed
-	t.suppressed = 0
-	return true, n
-}
-
 // refuseTCP closes a TCP connection refused by a limit, counting and
 // logging it through the throttle.
 func (n *node) refuseTCP(client net.Conn, limit string) {
@@ -122,7 +88,7 @@ func (n *node) logLimit(kind, limit, remote string) {
 	if limit == "max_connections" {
 		n.closeIdleConns()
 	}
-	if ok, suppressed := n.limitLog.allow(); ok {
+	if ok, suppressed := n.limitLog.Allow(); ok {
 		n.log().Warn("connection refused by a limit", zap.String("kind", kind), zap.String("limit", limit),
 			zap.String("remote", remote), zap.Int64("refused_total", n.refused.Load()), zap.Int("suppressed_since_last", suppressed))
 	}

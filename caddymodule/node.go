@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/sluice-tunnel/sluice/internal/logthrottle"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -44,9 +45,9 @@ type node struct {
 	pendingByAddr  *addrLimiter
 	sessions       counterLimiter
 	sessionsByAddr *addrLimiter
-	limitLog       *logThrottle
-	streamLog      *logThrottle
-	portLog        *logThrottle
+	limitLog       *logthrottle.Throttle
+	streamLog      *logthrottle.Throttle
+	portLog        *logthrottle.Throttle
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
@@ -92,9 +93,9 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 		clients:        newAddrLimiter(),
 		pendingByAddr:  newAddrLimiter(),
 		sessionsByAddr: newAddrLimiter(),
-		limitLog:       newLogThrottle(10*time.Second, 5),
-		streamLog:      newLogThrottle(10*time.Second, 5),
-		portLog:        newLogThrottle(time.Minute, 5),
+		limitLog:       logthrottle.New(10*time.Second, 5),
+		streamLog:      logthrottle.New(10*time.Second, 5),
+		portLog:        logthrottle.New(time.Minute, 5),
 		id:             ln.Addr().String(),
 		onSession:      map[any]func(){},
 		serveDone:      make(chan struct{}),
@@ -370,7 +371,7 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route) ([]*routeEntry, 
 		}
 		if err := n.ports.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route), ListenPort: e.route.GetListenPort(), Reason: err.Error()})
-			if ok, suppressed := n.portLog.allow(); ok {
+			if ok, suppressed := n.portLog.Allow(); ok {
 				n.log().Warn("agent port route rejected", zap.String("agent", a.agentID), zap.Uint32("port", e.route.GetListenPort()),
 					zap.Error(err), zap.Int("suppressed_since_last", suppressed))
 			}
@@ -430,7 +431,7 @@ func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), 
 // logStream logs a refused stream through a throttle: a flood logs a few
 // lines and then one line with the count suppressed.
 func (n *node) logStream(msg, remote string, err error) {
-	if ok, suppressed := n.streamLog.allow(); ok {
+	if ok, suppressed := n.streamLog.Allow(); ok {
 		n.log().Warn(msg, zap.String("remote", remote), zap.Error(err), zap.Int("suppressed_since_last", suppressed))
 	}
 }

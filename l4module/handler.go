@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/sluice-tunnel/sluice/caddymodule"
+	"github.com/sluice-tunnel/sluice/internal/logthrottle"
 )
 
 func init() {
@@ -34,7 +35,7 @@ type Handler struct {
 
 	app     *caddymodule.App
 	logger  *zap.Logger
-	noRoute *throttle
+	noRoute *logthrottle.Throttle
 }
 
 // CaddyModule returns the Caddy module information.
@@ -53,7 +54,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.app = appAny.(*caddymodule.App)
 	h.logger = ctx.Logger()
-	h.noRoute = &throttle{every: 10 * time.Second}
+	h.noRoute = logthrottle.New(10*time.Second, 1)
 	return nil
 }
 
@@ -68,7 +69,7 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	}
 	err := h.app.RelayTCP(conn{cx}, target)
 	if errors.Is(err, caddymodule.ErrNoRoute) {
-		if ok, suppressed := h.noRoute.allow(); ok {
+		if ok, suppressed := h.noRoute.Allow(); ok {
 			h.logger.Warn("no agent serves connection; closed",
 				zap.String("route", target.Route), zap.String("server_name", target.ServerName),
 				zap.Uint32("local_port", target.LocalPort), zap.String("remote", cx.RemoteAddr().String()),

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/sluice-tunnel/sluice/internal/logthrottle"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -35,7 +36,7 @@ type Session struct {
 	closeOnce sync.Once
 	err       error // set before done is closed
 
-	flowLog throttle
+	flowLog *logthrottle.Throttle
 }
 
 // NewSession starts a session on stream. The caller has already exchanged
@@ -51,7 +52,7 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 		conns:   make(map[uint64]*Conn),
 		accept:  make(chan *Conn, cfg.AcceptBacklog),
 		done:    make(chan struct{}),
-		flowLog: throttle{every: 10 * time.Second},
+		flowLog: logthrottle.New(10*time.Second, 1),
 	}
 	s.sender.init(s)
 	if cfg.Role == RoleAgent {
@@ -398,7 +399,7 @@ func (s *Session) refuse(id uint64, code tunnelpb.Error_Code, msg string) {
 }
 
 func (s *Session) logFlowViolation(id uint64) {
-	if ok, suppressed := s.flowLog.allow(); ok {
+	if ok, suppressed := s.flowLog.Allow(); ok {
 		s.cfg.Logger.Warn("tunnel peer sent beyond its credit; connection failed",
 			zapConn(id), zap.Int("suppressed", suppressed))
 	}
@@ -407,26 +408,3 @@ func (s *Session) logFlowViolation(id uint64) {
 func zapConn(id uint64) zap.Field { return zap.Uint64("conn_id", id) }
 
 func itoa(v uint64) string { return strconv.FormatUint(v, 10) }
-
-// throttle allows one event per period and counts the ones it suppressed.
-type throttle struct {
-	every time.Duration
-
-	mu         sync.Mutex
-	last       time.Time
-	suppressed int
-}
-
-func (t *throttle) allow() (bool, int) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	now := time.Now()
-	if !t.last.IsZero() && now.Sub(t.last) < t.every {
-		t.suppressed++
-		return false, 0
-	}
-	n := t.suppressed
-	t.suppressed = 0
-	t.last = now
-	return true, n
-}
