@@ -7,8 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -380,52 +378,6 @@ func (r *limRawStream) end(d time.Duration) (limRawEnd, bool) {
 func limStatus(err error) string {
 	st := status.Convert(err)
 	return st.Code().String() + ": " + st.Message()
-}
-
-// limRSS is the resident set size of this process (Caddy, agents,
-// upstreams and clients all live in it).
-func limRSS(t testing.TB) int64 {
-	t.Helper()
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		t.Skipf("no /proc/self/status: %v", err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			f := strings.Fields(rest)
-			kb, err := strconv.ParseInt(f[0], 10, 64)
-			if err != nil {
-				t.Fatalf("VmRSS %q: %v", rest, err)
-			}
-			return kb << 10
-		}
-	}
-	t.Fatalf("no VmRSS in /proc/self/status")
-	return 0
-}
-
-// limRaceBuild reports whether the test binary was built with -race.
-func limRaceBuild() bool {
-	bi, ok := debug.ReadBuildInfo()
-	if !ok {
-		return false
-	}
-	for _, s := range bi.Settings {
-		if s.Key == "-race" {
-			return s.Value == "true"
-		}
-	}
-	return false
-}
-
-// limOpenFDs counts this process's open file descriptors.
-func limOpenFDs(t testing.TB) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Skipf("no /proc/self/fd: %v", err)
-	}
-	return len(ents)
 }
 
 // limStalledDownload opens GET path on Caddy's HTTP port with a raw client,

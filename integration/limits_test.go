@@ -565,7 +565,7 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 		t.Fatalf("BudgetLimit %d, want 4MiB", budget)
 	}
 	runtime.GC()
-	rssBefore := limRSS(t)
+	rssBefore := procRSS(t)
 
 	var downloads []net.Conn
 	for i := 0; i < conns; i++ {
@@ -637,7 +637,7 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 			t.Fatalf("sample %d: %d connections, want %d", i, st.Connections, 2*conns)
 		}
 	}
-	rssAfter := limRSS(t)
+	rssAfter := procRSS(t)
 	growth := rssAfter - rssBefore
 	t.Logf("%d samples over %v", 100, time.Since(sampleStart).Round(time.Millisecond))
 	t.Logf("node: peak buffered+queued %d KiB (buffered %d KiB of %d, queued %d KiB of %d), budget in use peak %d KiB of %d",
@@ -655,7 +655,7 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 	// A sanity bound on the whole process; the race detector's shadow
 	// memory multiplies what the test touches.
 	rssBound := 64<<20 + budget
-	if limRaceBuild() {
+	if raceBuild() {
 		rssBound *= 4
 	}
 	if growth > rssBound {
@@ -701,13 +701,13 @@ func TestAgentConnectCyclesLeakNothing(t *testing.T) {
 		})
 	}
 	cycle(0)
-	baseG, baseFD := runtime.NumGoroutine(), limOpenFDs(t)
+	baseG, baseFD := runtime.NumGoroutine(), procFDs(t)
 	for i := 1; i < 100; i++ {
 		cycle(i)
 	}
 	var g, fd int
 	eventually(t, 10*time.Second, "goroutines and fds back to the baseline", func() bool {
-		g, fd = runtime.NumGoroutine(), limOpenFDs(t)
+		g, fd = runtime.NumGoroutine(), procFDs(t)
 		return g <= baseG+10 && fd <= baseFD+5
 	})
 	t.Logf("100 cycles in %v; goroutines %d -> %d, fds %d -> %d", time.Since(start), baseG, g, baseFD, fd)

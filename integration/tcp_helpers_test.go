@@ -11,7 +11,6 @@ import (
 	"io"
 	"net"
 	"os/exec"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -394,17 +393,3 @@ func (r *respConn) read() (any, error) {
 
 // zapUint32 is the log field the agent writes for a port.
 func zapUint32(key string, v int) zap.Field { return zap.Uint32(key, uint32(v)) }
-
-// raceEnabled reports whether the test binary was built with -race.
-func raceEnabled() bool {
-	bi, ok := debug.ReadBuildInfo()
-	if !ok {
-		return false
-	}
-	for _, s := range bi.Settings {
-		if s.Key == "-race" {
-			return s.Value == "true"
-		}
-	}
-	return false
-}

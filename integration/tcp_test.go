@@ -196,7 +196,7 @@ func TestTLSPassthroughBySNI(t *testing.T) {
 	})
 
 	t.Run("Caddy's own site on the same port still works", func(t *testing.T) {
-		if raceEnabled() {
+		if raceBuild() {
 			// caddy-l4 v0.1.2's listener wrapper reads the counters of a
 			// connection it handed on to the HTTP server (the "connection
 			// stats" debug line in layer4/listener.go, after pipeConnection),
