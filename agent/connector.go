@@ -58,7 +58,7 @@ func newConnector(cfg *Config, log *zap.Logger) *connector {
 	if c.maxConns == 0 {
 		// Derived as the node derives its own: half the memory limit,
 		// less the tunnel budget, at 293 KiB per connection.
-		c.maxConns = tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), 0, 0, 0).MaxConnections
+		c.maxConns = tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).MaxConnections
 	}
 	for _, u := range cfg.Upstreams {
 		scheme, hostport := u.TargetURL()

@@ -578,8 +578,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	}()
 	defer func() { <-acceptDone }()
 
-	// Rejected routes (typically a listen port still held by this agent's
-	// previous session) are retried by advertising again after a backoff.
+	// Rejected routes (a listen port outside the node's range, held by an agent
+	// with a smaller id, or in use) are retried by advertising again after a backoff.
 	readv := newBackoff(a.backoffInitial, a.backoffMax, nil)
 	var readvC <-chan time.Time
 	var readvTimer *time.Timer

@@ -95,7 +95,15 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.limited(w, r, "max_connections_per_address")
 	}
 	defer release()
-	if len(n.reg.table.Load().lookupHTTP(host)) == 0 {
+	routes := n.reg.table.Load().lookupHTTP(host)
+	if len(routes) > 0 && len(allowedFor(routes, clientAddr(r))) == 0 {
+		n.logLimit("http", "allowed_cidrs", r.RemoteAddr)
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusForbidden)
+		fmt.Fprintf(w, "403 Forbidden: your address may not use the tunnel for %s\n", host)
+		return nil
+	}
+	if len(routes) == 0 {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
 		w.Header().Set("Retry-After", "5")

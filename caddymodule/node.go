@@ -267,6 +267,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 			zap.String("old_remote", old.remote), zap.String("remote", remote))
 	}
 	n.sendAck(a, rejected)
+	go refuseAgentOpened(streamCtx, sess)
 	n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
 		zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)))
 
@@ -487,5 +488,17 @@ func (n *node) watchExit() {
 				return
 			}
 		}
+	}
+}
+
+// refuseAgentOpened answers every connection an agent opens (the protocol
+// gives agents no use for them) so none waits in the backlog holding a slot.
+func refuseAgentOpened(ctx context.Context, sess *tunnelcore.Session) {
+	for {
+		c, err := sess.Accept(ctx)
+		if err != nil {
+			return
+		}
+		c.Abort(tunnelpb.Error_REFUSED, "nodes accept no connections from agents")
 	}
 }

@@ -62,8 +62,11 @@ type claimant struct {
 func (c *portClaim) owner() (claimant, bool) {
 	var best claimant
 	found := false
+	// Claimants are in claim order: among the same agent id (a reconnect
+	// before the old session ended) the newest session wins, as it does
+	// for HTTP routes.
 	for _, x := range c.claimants {
-		if !found || x.agent.agentID < best.agent.agentID {
+		if !found || x.agent.agentID <= best.agent.agentID {
 			best, found = x, true
 		}
 	}

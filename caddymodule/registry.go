@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"fmt"
+	"net/netip"
 	"regexp"
 	"slices"
 	"strconv"
@@ -35,7 +36,43 @@ type routeEntry struct {
 	agent   *agentSession
 	route   *tunnelpb.Route
 	pattern *regexp.Regexp // compiled host_pattern, nil otherwise
+	allowed []netip.Prefix // allowed_cidrs; empty allows every client
 	dial    string         // host part of the dial address
+}
+
+// allows reports whether a client address (host:port or host) may use the
+// route.
+func (e *routeEntry) allows(addr string) bool {
+	if len(e.allowed) == 0 {
+		return true
+	}
+	ip, err := netip.ParseAddr(addrHost(addr))
+	if err != nil {
+		return false
+	}
+	ip = ip.Unmap()
+	for _, p := range e.allowed {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// allowedFor keeps the routes addr may use.
+func allowedFor(routes []*routeEntry, addr string) []*routeEntry {
+	for i, e := range routes {
+		if !e.allows(addr) {
+			out := append([]*routeEntry(nil), routes[:i]...)
+			for _, e := range routes[i+1:] {
+				if e.allows(addr) {
+					out = append(out, e)
+				}
+			}
+			return out
+		}
+	}
+	return routes
 }
 
 // httpRoutable reports whether the route may serve HTTP by host: listen-port
@@ -105,6 +142,19 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 				continue
 			}
 			e.pattern = re
+		}
+		badCIDR := ""
+		for _, c := range rt.GetAllowedCidrs() {
+			p, err := netip.ParsePrefix(c)
+			if err != nil {
+				badCIDR = c
+				break
+			}
+			e.allowed = append(e.allowed, p.Masked())
+		}
+		if badCIDR != "" {
+			reject(fmt.Sprintf("allowed_cidrs: %q is not a CIDR prefix", badCIDR))
+			continue
 		}
 		if rt.GetListenPort() != 0 && (rt.GetHost() != "" || rt.GetHostPattern() != "" || rt.GetTlsPassthrough()) {
 			reject("listen_port cannot be combined with host, host_pattern or tls_passthrough")

@@ -23,6 +23,10 @@ type TCPTarget struct {
 // ErrNoRoute is returned when no agent serves a TCP connection.
 var ErrNoRoute = errors.New("sluice: no agent serves this connection")
 
+// ErrForbidden is returned when the route's allowed_cidrs exclude the
+// client (the connection was closed at once).
+var ErrForbidden = errors.New("sluice: client address not allowed on this route")
+
 // ErrLimit is returned when a connection limit refused a TCP connection
 // (it was closed at once).
 var ErrLimit = errors.New("sluice: connection limit reached")
@@ -56,6 +60,10 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 // timeout passes with no byte either way. ag is passed rather than read from
 // e: a port claim serves connections before the registry finished writing e.
 func (n *node) relayTCP(client net.Conn, e *routeEntry, ag *agentSession, serverName string) error {
+	if !e.allows(client.RemoteAddr().String()) {
+		n.refuseTCP(client, "allowed_cidrs")
+		return ErrForbidden
+	}
 	release, ok := n.clients.acquire(client.RemoteAddr().String(), n.opts.Load().maxConnsPerAddr)
 	if !ok {
 		n.refuseTCP(client, "max_connections_per_address")

@@ -6,6 +6,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 )
 
@@ -42,7 +43,7 @@ func (u *Upstreams) Provision(ctx caddy.Context) error {
 // GetUpstreams implements reverseproxy.UpstreamSource. The upstreams are
 // allocated anew on every call: reverse_proxy mutates them.
 func (u *Upstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
-	routes := u.app.node.reg.table.Load().lookupHTTP(normalizeHost(r.Host))
+	routes := allowedFor(u.app.node.reg.table.Load().lookupHTTP(normalizeHost(r.Host)), clientAddr(r))
 	ups := make([]*reverseproxy.Upstream, len(routes))
 	for i, e := range routes {
 		ups[i] = &reverseproxy.Upstream{Dial: e.dial + ":80"}
@@ -80,3 +81,12 @@ var (
 	_ reverseproxy.UpstreamSource = (*Upstreams)(nil)
 	_ caddyfile.Unmarshaler       = (*Upstreams)(nil)
 )
+
+// clientAddr is the client's address as Caddy determined it (honouring
+// trusted_proxies), else the connection's remote address.
+func clientAddr(r *http.Request) string {
+	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok && ip != "" {
+		return ip
+	}
+	return r.RemoteAddr
+}

@@ -81,11 +81,14 @@ type Config struct {
 	// Share one Slots between all sessions of a node. Nil: no limit.
 	Slots *Slots
 
-	// StallTimeout fails the session when the sender has waited this long
-	// for the stream to take a frame (the peer stopped reading the stream
-	// while still answering keepalives). A peer that reads slowly but keeps
-	// taking frames is never cut. Default DefaultStallTimeout; negative
-	// turns the watchdog off.
+	// StallTimeout fails the session when one Send to the stream has been
+	// blocked this long (the peer stopped reading the stream while still
+	// answering keepalives). The watchdog measures frames, not bytes: a
+	// peer that takes at least one DATA frame (up to MaxFrameSize) per
+	// StallTimeout is never cut. It cannot see a peer that stops reading
+	// while the connections' credit still fits in the transport's buffers;
+	// those connections stall on their own credit alone. Default
+	// DefaultStallTimeout; negative turns the watchdog off.
 	StallTimeout time.Duration
 
 	// ReclaimAfter is how long a reader may take no bytes before its peer

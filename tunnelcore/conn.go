@@ -64,6 +64,7 @@ type Conn struct {
 	slotReleased atomic.Bool // the slot was given back
 	lastConsume  time.Time   // when the reader last took bytes (under mu)
 	reclaiming   bool        // a reclaim request is outstanding (under mu)
+	reclaimed    bool        // reclaimed since the reader last took bytes: do not ask again (under mu)
 
 	// sender state, guarded by the sender's mutex
 	sq       fifo[*tunnelpb.Envelope]
@@ -98,7 +99,7 @@ func (c *Conn) releaseSlot() {
 func (c *Conn) shouldReclaim(now time.Time, after time.Duration) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.reclaiming || c.rwin.size <= InitialWindow || c.rerr != nil || c.readEOF || now.Sub(c.lastConsume) < after {
+	if c.reclaiming || c.reclaimed || c.rwin.size <= InitialWindow || c.rerr != nil || c.readEOF || now.Sub(c.lastConsume) < after {
 		return false
 	}
 	c.reclaiming = true
@@ -192,6 +193,7 @@ func (c *Conn) copyOutLocked(p []byte) int {
 // consumeLocked accounts bytes the reader took and returns the credit to grant.
 func (c *Conn) consumeLocked(n int64) int64 {
 	c.lastConsume = time.Now()
+	c.reclaimed = false
 	c.buffered -= n
 	c.s.buffered.Add(-n)
 	if c.rerr != nil || c.readEOF {
@@ -579,6 +581,7 @@ func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
 	if u.GetReleased() > 0 || (u.GetReclaimAbove() == 0 && u.GetIncrement() == 0 && !u.GetBlocked() && c.reclaiming) {
 		c.rwin.reclaimed(int64(u.GetReleased()), c.s.cfg.Budget)
 		c.reclaiming = false
+		c.reclaimed = true
 	}
 	c.mu.Unlock()
 	if u.GetIncrement() > 0 {

@@ -1,0 +1,117 @@
+package caddymodule
+
+import (
+	"strings"
+	"testing"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+func register(t *testing.T, r *registry, id string, routes ...*tunnelpb.Route) *agentSession {
+	t.Helper()
+	a := &agentSession{agentID: id}
+	entries, rejected := validateRoutes(routes)
+	if len(rejected) > 0 {
+		t.Fatalf("rejected: %v", rejected)
+	}
+	r.bind(a, entries)
+	r.register(a, entries)
+	return a
+}
+
+func agentsOf(es []*routeEntry) string {
+	var ids []string
+	for _, e := range es {
+		ids = append(ids, e.agent.agentID+":"+routeName(e.route))
+	}
+	return strings.Join(ids, ",")
+}
+
+func TestRouteLookupOrder(t *testing.T) {
+	r := newRegistry()
+	register(t, r, "b", &tunnelpb.Route{Host: "app.test"}, &tunnelpb.Route{HostPattern: `[a-z]+\.wild\.test`})
+	register(t, r, "a", &tunnelpb.Route{Host: "app.test"}, &tunnelpb.Route{}) // catch-all
+	register(t, r, "c", &tunnelpb.Route{Host: "db.test", TlsPassthrough: true, Target: "tcp://x:1"},
+		&tunnelpb.Route{ListenPort: 16379, Target: "tcp://x:2"})
+	tab := r.table.Load()
+	for host, want := range map[string]string{
+		"app.test":       "a:app.test,b:app.test", // exact first, by agent id
+		"x.wild.test":    `b:[a-z]+\.wild\.test`,  // then patterns, whole match
+		"x.wild.test.io": "a:*",                   // then the catch-all
+		"db.test":        "a:*",                   // passthrough never serves HTTP
+	} {
+		if got := agentsOf(tab.lookupHTTP(host)); got != want {
+			t.Errorf("lookupHTTP(%s) = %s, want %s", host, got, want)
+		}
+	}
+	if got := agentsOf(tab.lookupSNI("DB.test.")); got != "c:db.test" {
+		t.Errorf("lookupSNI = %s", got)
+	}
+	if got := agentsOf(tab.byPort[16379]); got != "c::16379" {
+		t.Errorf("byPort = %s", got)
+	}
+	if len(tab.lookupSNI("app.test")) != 0 {
+		t.Error("an HTTP route must not take SNI-routed TCP")
+	}
+}
+
+func TestDisplacedSessionDoesNotEvictItsSuccessor(t *testing.T) {
+	r := newRegistry()
+	old := register(t, r, "same", &tunnelpb.Route{Host: "app.test"})
+	register(t, r, "same", &tunnelpb.Route{Host: "app.test"})
+	if r.unregister(old) {
+		t.Fatal("the displaced session removed its successor")
+	}
+	if len(r.table.Load().lookupHTTP("app.test")) != 1 {
+		t.Fatal("route lost")
+	}
+}
+
+func TestValidateRoutesRejects(t *testing.T) {
+	_, rejected := validateRoutes([]*tunnelpb.Route{
+		{Name: "dup", Host: "a.test"}, {Name: "dup", Host: "b.test"},
+		{HostPattern: "("},
+		{Host: "c.test", AllowedCidrs: []string{"not-a-cidr"}},
+		{Host: "d.test", ListenPort: 1000},
+		{ListenPort: 70000},
+	})
+	var reasons []string
+	for _, r := range rejected {
+		reasons = append(reasons, r.Name+": "+r.Reason)
+	}
+	got := strings.Join(reasons, "\n")
+	for _, want := range []string{"dup: duplicate route name", "host_pattern", "allowed_cidrs", "listen_port cannot be combined", "above 65535"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("rejections lack %q:\n%s", want, got)
+		}
+	}
+}
+
+func TestAllowedFor(t *testing.T) {
+	entries, _ := validateRoutes([]*tunnelpb.Route{
+		{Name: "lan", AllowedCidrs: []string{"10.0.0.0/8", "::1/128"}},
+		{Name: "all"},
+	})
+	for addr, want := range map[string]string{
+		"10.1.2.3:5555": "lan,all",
+		"[::1]:80":      "lan,all",
+		"192.0.2.1:1":   "all",
+		"garbage":       "all",
+	} {
+		var names []string
+		for _, e := range allowedFor(entries, addr) {
+			names = append(names, routeName(e.route))
+		}
+		if got := strings.Join(names, ","); got != want {
+			t.Errorf("allowedFor(%s) = %s, want %s", addr, got, want)
+		}
+	}
+}
+
+func TestNormalizeHost(t *testing.T) {
+	for in, want := range map[string]string{"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1"} {
+		if got := normalizeHost(in); got != want {
+			t.Errorf("normalizeHost(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
