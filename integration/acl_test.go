@@ -15,7 +15,7 @@ import (
 // may use it, for HTTP (403) and for TCP (closed at once).
 func TestAllowedCIDRs(t *testing.T) {
 	port := freePort(t)
-	c := startCaddyGlobal(t, fmt.Sprintf("\tsluice {\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1\n\t}\n", port, port), siteAll)
+	c := startCaddyWith(t, caddyOptions{Global: fmt.Sprintf("\tsluice {\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1\n\t}\n", port, port)}, siteAll)
 	up := startUpstream(t, "app")
 	startAgent(t, c.serverURL(), "agent-a",
 		agent.Upstream{Host: "open.test", Target: up, AllowedCIDRs: []string{"127.0.0.0/8"}},

@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -26,7 +28,9 @@ import (
 	_ "github.com/mholt/caddy-l4/modules/l4proxyprotocol"
 	_ "github.com/mholt/caddy-l4/modules/l4tls"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/sluice-tunnel/sluice/agent"
 	_ "github.com/sluice-tunnel/sluice/caddymodule"
@@ -46,6 +50,22 @@ func freePort(t testing.TB) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
+// caddyOptions are the optional parts of the Caddyfile a test runs.
+type caddyOptions struct {
+	// Sluice is extra lines inside the global sluice block, beside the
+	// loopback listen address and token (e.g. "max_connections 4").
+	Sluice string
+	// Global is extra global options (layer4 blocks, servers options, more
+	// sluice settings: several sluice blocks merge).
+	Global string
+	// NoRedirects turns off the automatic HTTP->HTTPS redirects.
+	NoRedirects bool
+	// CaptureLog makes Caddy's default logger write JSON at INFO to a file
+	// the test reads back (streamLines); otherwise it logs WARN and up to
+	// stderr.
+	CaptureLog bool
+}
+
 // caddyServer is an in-process Caddy running an adapted Caddyfile.
 type caddyServer struct {
 	t           testing.TB
@@ -53,7 +73,8 @@ type caddyServer struct {
 	httpPort    int
 	httpsPort   int
 	storage     string
-	global      string // extra global options (startCaddyGlobal, loadGlobal)
+	opts        caddyOptions
+	logPath     string // the captured log (opts.CaptureLog)
 }
 
 // caddyMu serialises tests that run Caddy: its config is process-global.
@@ -64,27 +85,38 @@ var caddyMu sync.Mutex
 // and HTTPS ports, no admin endpoint.
 func startCaddy(t testing.TB, body string) *caddyServer {
 	t.Helper()
-	return startCaddyGlobal(t, "", body)
+	return startCaddyWith(t, caddyOptions{}, body)
 }
 
-// startCaddyGlobal is startCaddy with extra global options (layer4 blocks,
-// servers options, more sluice settings: several sluice blocks merge).
-// {HTTP} and {HTTPS} in global and body stand for the site ports.
-func startCaddyGlobal(t testing.TB, global, body string) *caddyServer {
+// startCaddyWith is startCaddy with the optional parts of opts. It holds
+// caddyMu until cleanup, which stops Caddy. {HTTP} and {HTTPS} in the
+// options and body stand for the site ports.
+func startCaddyWith(t testing.TB, opts caddyOptions, body string) *caddyServer {
 	t.Helper()
 	caddyMu.Lock()
+	t.Cleanup(caddyMu.Unlock)
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	c := &caddyServer{t: t, controlPort: freePort(t), httpPort: freePort(t), httpsPort: freePort(t), storage: t.TempDir(), global: global}
+	c := &caddyServer{t: t, controlPort: freePort(t), httpPort: freePort(t), httpsPort: freePort(t), storage: t.TempDir(), opts: opts}
+	if opts.CaptureLog {
+		c.logPath = filepath.Join(t.TempDir(), "caddy.log")
+	}
+	// Registered after the temporary directories, so it runs before they
+	// are removed.
+	t.Cleanup(func() { caddy.Stop() })
 	c.load(body)
-	t.Cleanup(func() {
-		caddy.Stop()
-		caddyMu.Unlock()
-	})
 	return c
 }
 
 func (c *caddyServer) caddyfile(body string) string {
+	var redirects string
+	if c.opts.NoRedirects {
+		redirects = "\tauto_https disable_redirects\n"
+	}
+	logOpts := "\t\tlevel WARN\n"
+	if c.logPath != "" {
+		logOpts = fmt.Sprintf("\t\toutput sluice_test_file %s\n\t\tlevel INFO\n", c.logPath)
+	}
 	cf := fmt.Sprintf(`{
 	admin off
 	persist_config off
@@ -93,22 +125,23 @@ func (c *caddyServer) caddyfile(body string) string {
 	http_port %d
 	https_port %d
 	default_bind 127.0.0.1
-	log default {
-		level WARN
-	}
+%s	log default {
+%s	}
 	sluice {
 		listen 127.0.0.1:%d
 		token %s
+%s
 	}
 %s
 }
 
 %s
-`, c.storage, c.httpPort, c.httpsPort, c.controlPort, testToken, c.global, body)
-	return strings.NewReplacer("{HTTP}", fmt.Sprint(c.httpPort), "{HTTPS}", fmt.Sprint(c.httpsPort)).Replace(cf)
+`, c.storage, c.httpPort, c.httpsPort, redirects, logOpts, c.controlPort, testToken, c.opts.Sluice, c.opts.Global, body)
+	return strings.NewReplacer("{HTTP}", strconv.Itoa(c.httpPort), "{HTTPS}", strconv.Itoa(c.httpsPort)).Replace(cf)
 }
 
-// load adapts and (re)loads a Caddyfile body: a second call is a reload.
+// load adapts and loads the Caddyfile: the first call starts Caddy, a later
+// one is a reload (or a fresh start on the same ports after caddy.Stop).
 func (c *caddyServer) load(body string) {
 	c.t.Helper()
 	cfgJSON, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(c.caddyfile(body)), nil)
@@ -123,7 +156,7 @@ func (c *caddyServer) load(body string) {
 // loadGlobal reloads with other extra global options.
 func (c *caddyServer) loadGlobal(global, body string) {
 	c.t.Helper()
-	c.global = global
+	c.opts.Global = global
 	c.load(body)
 }
 
@@ -147,13 +180,7 @@ type runningAgent struct {
 // acknowledged it.
 func startAgent(t testing.TB, serverURL, id string, upstreams ...agent.Upstream) *runningAgent {
 	t.Helper()
-	a := launchAgent(t, serverURL, id, testToken, upstreams...)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := a.WaitConnected(ctx); err != nil {
-		t.Fatalf("agent %s never connected: %v", id, err)
-	}
-	return a
+	return startAgentWith(t, serverURL, id, nil, upstreams...)
 }
 
 // startAgentWith is startAgent with a hook to adjust the configuration.
@@ -175,6 +202,21 @@ func launchAgent(t testing.TB, serverURL, id, token string, upstreams ...agent.U
 
 func launchAgentWith(t testing.TB, serverURL, id, token string, adjust func(*agent.Config), upstreams ...agent.Upstream) *runningAgent {
 	t.Helper()
+	a, _ := launchAgentLogged(t, serverURL, id, token, adjust, false, upstreams...)
+	return a
+}
+
+// launchAgentObserved is launchAgent with the agent's log lines (Info and
+// up) also recorded for assertions.
+func launchAgentObserved(t testing.TB, serverURL, id string, upstreams ...agent.Upstream) (*runningAgent, *observer.ObservedLogs) {
+	t.Helper()
+	return launchAgentLogged(t, serverURL, id, testToken, nil, true, upstreams...)
+}
+
+// launchAgentLogged runs an agent that logs Warn and up to the test, and,
+// if observe, records Info and up in the returned logs (else nil).
+func launchAgentLogged(t testing.TB, serverURL, id, token string, adjust func(*agent.Config), observe bool, upstreams ...agent.Upstream) (*runningAgent, *observer.ObservedLogs) {
+	t.Helper()
 	cfg := &agent.Config{Server: serverURL, Token: token, ID: id, Upstreams: upstreams}
 	if adjust != nil {
 		adjust(cfg)
@@ -182,7 +224,14 @@ func launchAgentWith(t testing.TB, serverURL, id, token string, adjust func(*age
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("agent config: %v", err)
 	}
-	logger := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)).Named(id)
+	logger := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
+	var logs *observer.ObservedLogs
+	if observe {
+		var obsCore zapcore.Core
+		obsCore, logs = observer.New(zap.InfoLevel)
+		logger = zap.New(zapcore.NewTee(logger.Core(), obsCore))
+	}
+	logger = logger.Named(id)
 	a, err := agent.New(cfg, logger, agent.WithBackoff(50*time.Millisecond, 500*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -191,7 +240,17 @@ func launchAgentWith(t testing.TB, serverURL, id, token string, adjust func(*age
 	ra := &runningAgent{Agent: a, cancel: cancel, done: make(chan error, 1)}
 	go func() { ra.done <- a.Run(ctx) }()
 	t.Cleanup(ra.stop)
-	return ra
+	return ra, logs
+}
+
+// waitConnected waits (bounded) for a launched agent's first session.
+func waitConnected(t testing.TB, a *runningAgent) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := a.WaitConnected(ctx); err != nil {
+		t.Fatalf("agent never connected: %v", err)
+	}
 }
 
 // stop ends the agent and waits for it (bounded).

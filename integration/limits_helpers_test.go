@@ -13,94 +13,19 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest"
-	"go.uber.org/zap/zaptest/observer"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	"github.com/sluice-tunnel/sluice/agent"
 	"github.com/sluice-tunnel/sluice/caddymodule"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
-// limCaddy is an in-process Caddy whose sluice block carries extra options
-// (limits), beside the harness's loopback listen address and token.
-type limCaddy struct {
-	*caddyServer
-	sluiceOpts string // lines inside the sluice block
-	global     string // more global options
-}
-
-// startLimitCaddy loads a Caddyfile whose sluice block has sluiceOpts
-// (e.g. "max_connections 4") and whose sites are body. It holds caddyMu
-// like startCaddy, and stops Caddy at cleanup.
-func startLimitCaddy(t testing.TB, sluiceOpts, global, body string) *limCaddy {
-	t.Helper()
-	caddyMu.Lock()
-	t.Cleanup(func() {
-		caddy.Stop()
-		caddyMu.Unlock()
-	})
-	t.Setenv("XDG_DATA_HOME", t.TempDir())
-	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	c := &limCaddy{
-		caddyServer: &caddyServer{t: t, controlPort: freePort(t), httpPort: freePort(t), httpsPort: freePort(t), storage: t.TempDir()},
-		sluiceOpts:  sluiceOpts,
-		global:      global,
-	}
-	c.reload(body)
-	return c
-}
-
-func (c *limCaddy) caddyfileText(body string) string {
-	cf := fmt.Sprintf(`{
-	admin off
-	persist_config off
-	skip_install_trust
-	storage file_system %s
-	http_port %d
-	https_port %d
-	default_bind 127.0.0.1
-	log default {
-		level WARN
-	}
-	sluice {
-		listen 127.0.0.1:%d
-		token %s
-%s
-	}
-%s
-}
-
-%s
-`, c.storage, c.httpPort, c.httpsPort, c.controlPort, testToken, c.sluiceOpts, c.global, body)
-	return strings.NewReplacer("{HTTP}", strconv.Itoa(c.httpPort), "{HTTPS}", strconv.Itoa(c.httpsPort)).Replace(cf)
-}
-
-// reload adapts and loads the Caddyfile (a first load, a reload, or a load
-// after caddy.Stop on the same ports).
-func (c *limCaddy) reload(body string) {
-	c.t.Helper()
-	cfgJSON, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(c.caddyfileText(body)), nil)
-	if err != nil {
-		c.t.Fatalf("adapt: %v", err)
-	}
-	if err := caddy.Load(cfgJSON, true); err != nil {
-		c.t.Fatalf("caddy load: %v", err)
-	}
-}
-
 // stats is the snapshot of this Caddy's node; ok is false when the node is
 // not running (not in the pool: stopped, or being destroyed).
-func (c *limCaddy) stats() (caddymodule.NodeStats, bool) {
+func (c *caddyServer) stats() (caddymodule.NodeStats, bool) {
 	suffix := ":" + strconv.Itoa(c.controlPort)
 	for _, st := range caddymodule.Stats() {
 		if strings.HasSuffix(st.Listen, suffix) {
@@ -110,7 +35,7 @@ func (c *limCaddy) stats() (caddymodule.NodeStats, bool) {
 	return caddymodule.NodeStats{}, false
 }
 
-func (c *limCaddy) mustStats(t testing.TB) caddymodule.NodeStats {
+func (c *caddyServer) mustStats(t testing.TB) caddymodule.NodeStats {
 	t.Helper()
 	st, ok := c.stats()
 	if !ok {
@@ -252,41 +177,9 @@ func limClosedWithin(c net.Conn, d time.Duration) (time.Duration, error) {
 	return took, nil
 }
 
-// limLaunchObservedAgent is launchAgent whose log lines (Info and up) are
-// also recorded for assertions.
-func limLaunchObservedAgent(t testing.TB, serverURL, id string, upstreams ...agent.Upstream) (*runningAgent, *observer.ObservedLogs) {
-	t.Helper()
-	cfg := &agent.Config{Server: serverURL, Token: testToken, ID: id, Upstreams: upstreams}
-	if err := cfg.Validate(); err != nil {
-		t.Fatalf("agent config: %v", err)
-	}
-	core, logs := observer.New(zapcore.InfoLevel)
-	tl := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)).Core()
-	logger := zap.New(zapcore.NewTee(core, tl)).Named(id)
-	a, err := agent.New(cfg, logger, agent.WithBackoff(50*time.Millisecond, 500*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ra := &runningAgent{Agent: a, cancel: cancel, done: make(chan error, 1)}
-	go func() { ra.done <- a.Run(ctx) }()
-	t.Cleanup(ra.stop)
-	return ra, logs
-}
-
-// limWaitAgent waits until a is connected.
-func limWaitAgent(t testing.TB, a *runningAgent, within time.Duration) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), within)
-	defer cancel()
-	if err := a.WaitConnected(ctx); err != nil {
-		t.Fatalf("agent never connected: %v", err)
-	}
-}
-
 // limControlClient dials the control plane of c the way an agent does, for
 // raw Connect streams.
-func limControlClient(t testing.TB, c *limCaddy) *grpc.ClientConn {
+func limControlClient(t testing.TB, c *caddyServer) *grpc.ClientConn {
 	t.Helper()
 	cc, err := grpc.NewClient(fmt.Sprintf("127.0.0.1:%d", c.controlPort),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -383,7 +276,7 @@ func limStatus(err error) string {
 // limStalledDownload opens GET path on Caddy's HTTP port with a raw client,
 // reads the response head and then stops reading. It returns the conn
 // (close it to end the download) and the status line.
-func limStalledDownload(t testing.TB, c *limCaddy, host, path string) (net.Conn, string) {
+func limStalledDownload(t testing.TB, c *caddyServer, host, path string) (net.Conn, string) {
 	t.Helper()
 	conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", c.httpPort), 5*time.Second)
 	if err != nil {

@@ -29,7 +29,7 @@ func limClient() *http.Client {
 	return &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}}
 }
 
-func limRequest(ctx context.Context, c *limCaddy, method, host, path string, body io.Reader) *http.Request {
+func limRequest(ctx context.Context, c *caddyServer, method, host, path string, body io.Reader) *http.Request {
 	req, _ := http.NewRequestWithContext(ctx, method, c.url(path), body)
 	req.Host = host
 	return req
@@ -42,7 +42,7 @@ type limResult struct {
 }
 
 // limFill sends n requests for /hold and waits until all reached the upstream.
-func limFill(t *testing.T, c *limCaddy, cl *http.Client, up *limHoldUpstream, host string, n int) chan limResult {
+func limFill(t *testing.T, c *caddyServer, cl *http.Client, up *limHoldUpstream, host string, n int) chan limResult {
 	t.Helper()
 	out := make(chan limResult, n)
 	for i := 0; i < n; i++ {
@@ -88,7 +88,7 @@ func limCollect(t *testing.T, out chan limResult, n int, want int) {
 }
 
 // limExpect503 sends one request and expects the limit's 503.
-func limExpect503(t *testing.T, c *limCaddy, cl *http.Client, host, limit string) {
+func limExpect503(t *testing.T, c *caddyServer, cl *http.Client, host, limit string) {
 	t.Helper()
 	resp, err := cl.Do(limRequest(context.Background(), c, "GET", host, "/", nil))
 	if err != nil {
@@ -124,7 +124,7 @@ http://nokeep.test:{HTTP} {
 func TestMaxConnectionsRefusesAndReleases(t *testing.T) {
 	const limit = 4
 	port := freePort(t)
-	c := startLimitCaddy(t, fmt.Sprintf("\t\tmax_connections %d\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", limit, port, port), "", limitSites)
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("\t\tmax_connections %d\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", limit, port, port)}, limitSites)
 	up := startLimHoldUpstream(t)
 	echo := limEchoServer(t)
 	startAgent(t, c.serverURL(), "agent-a",
@@ -233,7 +233,7 @@ func TestMaxConnectionsRefusesAndReleases(t *testing.T) {
 // closed; once they end, it is served again.
 func TestMaxConnectionsPerAddress(t *testing.T) {
 	port := freePort(t)
-	c := startLimitCaddy(t, fmt.Sprintf("\t\tmax_connections_per_address 2\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", port, port), "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("\t\tmax_connections_per_address 2\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", port, port)}, siteAll)
 	up := startLimHoldUpstream(t)
 	echo := limEchoServer(t)
 	startAgent(t, c.serverURL(), "agent-a",
@@ -274,7 +274,7 @@ func TestMaxConnectionsPerAddress(t *testing.T) {
 	limCollect(t, out, 2, http.StatusOK)
 	// A handler gives its count back just after its response is written.
 	eventually(t, 5*time.Second, "served again once the held requests ended", func() bool {
-		code, _ := get(t, c.caddyServer, "hold.test", "/")
+		code, _ := get(t, c, "hold.test", "/")
 		return code == 200
 	})
 	if err := tcpEcho(); err != nil {
@@ -285,7 +285,7 @@ func TestMaxConnectionsPerAddress(t *testing.T) {
 // TestAdvertiseTimeout: a stream that never sends its Advertise is failed
 // with DEADLINE_EXCEEDED after advertise_timeout.
 func TestAdvertiseTimeout(t *testing.T) {
-	c := startLimitCaddy(t, "\t\tadvertise_timeout 300ms", "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: "\t\tadvertise_timeout 300ms"}, siteAll)
 	cc := limControlClient(t, c)
 	r := limOpenRaw(t, cc)
 	e, ok := r.end(5 * time.Second)
@@ -303,7 +303,7 @@ func TestAdvertiseTimeout(t *testing.T) {
 	// An agent advertising at once is served.
 	up := startUpstream(t, "app")
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
-	if code, body := get(t, c.caddyServer, "app.test", "/"); code != 200 || !strings.Contains(body, "Hello from app") {
+	if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "Hello from app") {
 		t.Fatalf("agent after the timeout: %d %q", code, body)
 	}
 }
@@ -311,11 +311,11 @@ func TestAdvertiseTimeout(t *testing.T) {
 // TestMaxSessions: a third agent is refused with RESOURCE_EXHAUSTED and
 // keeps retrying while the first two serve; it connects once one leaves.
 func TestMaxSessions(t *testing.T) {
-	c := startLimitCaddy(t, "\t\tmax_sessions 2", "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: "\t\tmax_sessions 2"}, siteAll)
 	upA, upB, upC := startUpstream(t, "A"), startUpstream(t, "B"), startUpstream(t, "C")
 	first := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "a.test", Target: upA})
 	startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "b.test", Target: upB})
-	third, logs := limLaunchObservedAgent(t, c.serverURL(), "agent-c", agent.Upstream{Host: "c.test", Target: upC})
+	third, logs := launchAgentObserved(t, c.serverURL(), "agent-c", agent.Upstream{Host: "c.test", Target: upC})
 
 	refusals := func() *observer.ObservedLogs {
 		return logs.FilterMessage("connection failed; retrying").FilterField(zap.String("code", codes.ResourceExhausted.String()))
@@ -331,11 +331,11 @@ func TestMaxSessions(t *testing.T) {
 		t.Fatalf("the third agent connected past max_sessions (sessions %d)", third.Sessions())
 	}
 	for _, tc := range []struct{ host, want string }{{"a.test", "Hello from A"}, {"b.test", "Hello from B"}} {
-		if code, body := get(t, c.caddyServer, tc.host, "/"); code != 200 || !strings.Contains(body, tc.want) {
+		if code, body := get(t, c, tc.host, "/"); code != 200 || !strings.Contains(body, tc.want) {
 			t.Fatalf("%s while the third agent is refused: %d %q", tc.host, code, body)
 		}
 	}
-	if code, _ := get(t, c.caddyServer, "c.test", "/"); code != http.StatusServiceUnavailable {
+	if code, _ := get(t, c, "c.test", "/"); code != http.StatusServiceUnavailable {
 		t.Fatalf("c.test served with the third agent refused: %d", code)
 	}
 	if st := c.mustStats(t); st.Sessions != 2 {
@@ -344,11 +344,11 @@ func TestMaxSessions(t *testing.T) {
 	t.Logf("third agent refused %d times so far", refusals().Len())
 
 	first.stop()
-	limWaitAgent(t, third, 10*time.Second)
-	if code, body := get(t, c.caddyServer, "c.test", "/"); code != 200 || !strings.Contains(body, "Hello from C") {
+	waitConnected(t, third)
+	if code, body := get(t, c, "c.test", "/"); code != 200 || !strings.Contains(body, "Hello from C") {
 		t.Fatalf("c.test after the third agent connected: %d %q", code, body)
 	}
-	if code, _ := get(t, c.caddyServer, "b.test", "/"); code != 200 {
+	if code, _ := get(t, c, "b.test", "/"); code != 200 {
 		t.Fatalf("b.test: %d", code)
 	}
 }
@@ -357,7 +357,7 @@ func TestMaxSessions(t *testing.T) {
 // one is refused with RESOURCE_EXHAUSTED at once; when a waiting one goes
 // away, a new stream is admitted.
 func TestMaxPendingStreamsPerAddress(t *testing.T) {
-	c := startLimitCaddy(t, "\t\tmax_pending_streams_per_address 2\n\t\tadvertise_timeout 10s", "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: "\t\tmax_pending_streams_per_address 2\n\t\tadvertise_timeout 10s"}, siteAll)
 	cc := limControlClient(t, c)
 	streams := []*limRawStream{limOpenRaw(t, cc), limOpenRaw(t, cc), limOpenRaw(t, cc)}
 
@@ -422,13 +422,13 @@ wait:
 func TestDrainOnShutdown(t *testing.T) {
 	const grace = 3 * time.Second
 	port := freePort(t)
-	c := startLimitCaddy(t, fmt.Sprintf("\t\tdrain_grace 3s\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", port, port), "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("\t\tdrain_grace 3s\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", port, port)}, siteAll)
 	up := startUpstream(t, "app")
 	echo := limEchoServer(t)
-	a, logs := limLaunchObservedAgent(t, c.serverURL(), "agent-a",
+	a, logs := launchAgentObserved(t, c.serverURL(), "agent-a",
 		agent.Upstream{Host: "app.test", Target: up},
 		agent.Upstream{ListenPort: port, Target: fmt.Sprintf("tcp://127.0.0.1:%d", echo)})
-	limWaitAgent(t, a, 10*time.Second)
+	waitConnected(t, a)
 	tcpAddr := fmt.Sprintf("127.0.0.1:%d", port)
 	var relay net.Conn
 	eventually(t, 10*time.Second, "a TCP relay through the listen port", func() bool {
@@ -473,7 +473,7 @@ func TestDrainOnShutdown(t *testing.T) {
 	}
 	// A finished request leaves an idle pooled connection, which is not
 	// in flight: the drain must not wait for it.
-	if code, _ := get(t, c.caddyServer, "app.test", "/"); code != 200 {
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
 		t.Fatalf("status %d", code)
 	}
 	if st := c.mustStats(t); st.Connections < 3 {
@@ -537,9 +537,9 @@ func TestDrainOnShutdown(t *testing.T) {
 	eventually(t, 5*time.Second, "the agent sees the drained session end", func() bool {
 		return logs.FilterMessage("disconnected: node drained; reconnecting").Len() > 0
 	})
-	c.reload(siteAll)
+	c.load(siteAll)
 	eventually(t, 15*time.Second, "the agent reconnects to the restarted Caddy", func() bool {
-		code, _ := get(t, c.caddyServer, "app.test", "/")
+		code, _ := get(t, c, "app.test", "/")
 		return code == 200
 	})
 	if a.Sessions() <= sessions {
@@ -554,7 +554,7 @@ func TestDrainOnShutdown(t *testing.T) {
 // they end.
 func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 	const conns = 8
-	c := startLimitCaddy(t, "\t\ttunnel_budget 4MiB", "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: "\t\ttunnel_budget 4MiB"}, siteAll)
 	app := startUpstream(t, "app")
 	hold := startLimHoldUpstream(t)
 	a := startAgentWith(t, c.serverURL(), "agent-a", func(cfg *agent.Config) { cfg.TunnelBudget = 4 << 20 },
@@ -680,7 +680,7 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 // request, leave no goroutine or file descriptor behind.
 func TestAgentConnectCyclesLeakNothing(t *testing.T) {
 	start := time.Now()
-	c := startLimitCaddy(t, "", "", siteAll)
+	c := startCaddy(t, siteAll)
 	up := startUpstream(t, "app")
 	cl := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 	cycle := func(i int) {

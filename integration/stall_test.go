@@ -47,7 +47,7 @@ type stallAgent struct {
 // at 64 KiB: gRPC's BDP estimator would otherwise grow the stream window of
 // a stream nobody reads, and how far it grows decides how much the node can
 // push before it blocks.
-func stallDial(t testing.TB, c *limCaddy) *grpc.ClientConn {
+func stallDial(t testing.TB, c *caddyServer) *grpc.ClientConn {
 	t.Helper()
 	cc, err := grpc.NewClient(fmt.Sprintf("127.0.0.1:%d", c.controlPort),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -120,7 +120,7 @@ func (a *stallAgent) recv(d time.Duration) (*tunnelpb.Frame, error) {
 }
 
 // stallSessions returns the node's registered sessions.
-func stallSessions(t testing.TB, c *limCaddy) int {
+func stallSessions(t testing.TB, c *caddyServer) int {
 	t.Helper()
 	return c.mustStats(t).Sessions
 }
@@ -128,7 +128,7 @@ func stallSessions(t testing.TB, c *limCaddy) int {
 // stallUploads starts n POSTs of stallBodySize bytes to stall.test, the
 // i-th after i*stagger, all bounded by ctx; each result arrives on the
 // returned channel.
-func stallUploads(ctx context.Context, c *limCaddy, n int, stagger time.Duration) chan limResult {
+func stallUploads(ctx context.Context, c *caddyServer, n int, stagger time.Duration) chan limResult {
 	tr := &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: n}
 	cl := &http.Client{Transport: tr}
 	out := make(chan limResult, n)
@@ -165,7 +165,7 @@ func stallUploads(ctx context.Context, c *limCaddy, n int, stagger time.Duration
 // and the uploads it held fail promptly instead of hanging. Silence alone
 // (nothing waiting to be sent) is not a stall.
 func TestStallWatchdogFailsNonReadingAgent(t *testing.T) {
-	c := startLimitCaddy(t, stallSluice, "", stallSite)
+	c := startCaddyWith(t, caddyOptions{Sluice: stallSluice}, stallSite)
 	ag := stallConnect(t, stallDial(t, c), "stall-agent")
 	if n := stallSessions(t, c); n != 1 {
 		t.Fatalf("%d sessions after the AdvertiseAck, want 1", n)
@@ -255,7 +255,7 @@ func TestStallWatchdogFailsNonReadingAgent(t *testing.T) {
 // frames, Connects, WindowUpdate{blocked}s and request heads, in front of
 // it). Without either, the watchdog cuts this reader in some runs.
 func TestStallWatchdogSparesSlowReader(t *testing.T) {
-	c := startLimitCaddy(t, stallSluice, "", stallSite)
+	c := startCaddyWith(t, caddyOptions{Sluice: stallSluice}, stallSite)
 	ag := stallConnect(t, stallDial(t, c), "slow-agent")
 
 	var dataFrames, dataBytes atomic.Int64

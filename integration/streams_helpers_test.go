@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,7 +19,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -69,83 +67,10 @@ func (w *testLogFile) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// streamCaddy is an in-process Caddy for the stream tests: extra options in
-// the sluice block (drain_grace), extra global options (servers), and
-// Caddy's default logger writing JSON to a file the test reads back (the
-// "stream closed" lines).
-type streamCaddy struct {
-	*caddyServer
-	sluiceOpts  string // lines inside the sluice block
-	extraGlobal string // more global options
-	logPath     string
-}
-
-// startStreamCaddy loads a Caddyfile whose sites are body. It holds caddyMu
-// like startCaddy and stops Caddy at cleanup. {HTTP} and {HTTPS} stand for
-// the site ports.
-func startStreamCaddy(t testing.TB, sluiceOpts, global, body string) *streamCaddy {
-	t.Helper()
-	caddyMu.Lock()
-	t.Cleanup(func() {
-		caddy.Stop()
-		caddyMu.Unlock()
-	})
-	t.Setenv("XDG_DATA_HOME", t.TempDir())
-	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	c := &streamCaddy{
-		caddyServer: &caddyServer{t: t, controlPort: freePort(t), httpPort: freePort(t), httpsPort: freePort(t), storage: t.TempDir()},
-		sluiceOpts:  sluiceOpts,
-		extraGlobal: global,
-		logPath:     filepath.Join(t.TempDir(), "caddy.log"),
-	}
-	c.reload(body)
-	return c
-}
-
-func (c *streamCaddy) caddyfileText(body string) string {
-	cf := fmt.Sprintf(`{
-	admin off
-	persist_config off
-	skip_install_trust
-	storage file_system %s
-	http_port %d
-	https_port %d
-	default_bind 127.0.0.1
-	auto_https disable_redirects
-	log default {
-		output sluice_test_file %s
-		level INFO
-	}
-	sluice {
-		listen 127.0.0.1:%d
-		token %s
-%s
-	}
-%s
-}
-
-%s
-`, c.storage, c.httpPort, c.httpsPort, c.logPath, c.controlPort, testToken, c.sluiceOpts, c.extraGlobal, body)
-	return strings.NewReplacer("{HTTP}", strconv.Itoa(c.httpPort), "{HTTPS}", strconv.Itoa(c.httpsPort)).Replace(cf)
-}
-
-// reload adapts and loads the Caddyfile: the first call starts Caddy, a
-// later one is `caddy reload`.
-func (c *streamCaddy) reload(body string) {
-	c.t.Helper()
-	cfgJSON, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(c.caddyfileText(body)), nil)
-	if err != nil {
-		c.t.Fatalf("adapt: %v", err)
-	}
-	if err := caddy.Load(cfgJSON, true); err != nil {
-		c.t.Fatalf("caddy load: %v", err)
-	}
-}
-
-func (c *streamCaddy) httpsAddr() string {
+func (c *caddyServer) httpsAddr() string {
 	return net.JoinHostPort("127.0.0.1", strconv.Itoa(c.httpsPort))
 }
-func (c *streamCaddy) httpAddr() string {
+func (c *caddyServer) httpAddr() string {
 	return net.JoinHostPort("127.0.0.1", strconv.Itoa(c.httpPort))
 }
 
@@ -163,7 +88,7 @@ type streamLine struct {
 }
 
 // streamLines parses the "stream closed" lines logged so far.
-func (c *streamCaddy) streamLines(t testing.TB) []streamLine {
+func (c *caddyServer) streamLines(t testing.TB) []streamLine {
 	t.Helper()
 	b, err := os.ReadFile(c.logPath)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -186,7 +111,7 @@ func (c *streamCaddy) streamLines(t testing.TB) []streamLine {
 }
 
 // waitStreamLine waits (bounded) for the "stream closed" line of uri.
-func (c *streamCaddy) waitStreamLine(t testing.TB, uri string, within time.Duration) streamLine {
+func (c *caddyServer) waitStreamLine(t testing.TB, uri string, within time.Duration) streamLine {
 	t.Helper()
 	var found *streamLine
 	deadline := time.Now().Add(within)
@@ -211,7 +136,7 @@ func (c *streamCaddy) waitStreamLine(t testing.TB, uri string, within time.Durat
 	return *found
 }
 
-func (c *streamCaddy) countStreamLines(t testing.TB, uri string) int {
+func (c *caddyServer) countStreamLines(t testing.TB, uri string) int {
 	n := 0
 	for _, l := range c.streamLines(t) {
 		if l.URI == uri {
@@ -222,7 +147,7 @@ func (c *streamCaddy) countStreamLines(t testing.TB, uri string) int {
 }
 
 // expectStreamLine checks a logged stream's classification and outcome.
-func (c *streamCaddy) expectStreamLine(t testing.TB, uri, class, outcome string) streamLine {
+func (c *caddyServer) expectStreamLine(t testing.TB, uri, class, outcome string) streamLine {
 	t.Helper()
 	l := c.waitStreamLine(t, uri, 10*time.Second)
 	if l.Classification != class || l.Outcome != outcome || l.Logger != "http.handlers.sluice" {

@@ -62,7 +62,7 @@ const serversH1H2H2C = `	servers {
 // buffering, no coalescing), with the upstream's headers and no
 // Content-Length.
 func TestSSEPassthroughMatrix(t *testing.T) {
-	c := startStreamCaddy(t, "", serversH1H2H2C, sseMatrixSites)
+	c := startCaddyWith(t, caddyOptions{Global: serversH1H2H2C, NoRedirects: true, CaptureLog: true}, sseMatrixSites)
 	up := startGatedUpstream(t)
 	startAgent(t, c.serverURL(), "agent-sse", agent.Upstream{Host: "sse.test", Target: up.url})
 
@@ -175,7 +175,7 @@ http://e.test:{HTTP} {
 // does not become) a stream with a purpose-built upstream, and checks the
 // deadlines that follow and the one "stream closed" line each stream logs.
 func TestStreamPolicyClassification(t *testing.T) {
-	c := startStreamCaddy(t, "", "", policySites)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true, CaptureLog: true}, policySites)
 	up := startPolicyUpstream(t)
 	startAgent(t, c.serverURL(), "agent-policy", agent.Upstream{Host: "*", Target: up.url})
 	client := h1Client()
@@ -305,7 +305,7 @@ func grpcClient(t testing.TB, addr, authority string) testpb.TestServiceClient {
 // and the tunnel: the same metadata, headers, trailers and statuses must
 // come through.
 func TestGRPCThroughTunnel(t *testing.T) {
-	c := startStreamCaddy(t, "", "", grpcSite)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true, CaptureLog: true}, grpcSite)
 	srv := startGRPCServer(t)
 	startAgent(t, c.serverURL(), "agent-grpc", agent.Upstream{Host: "grpc.test", Target: "http://" + srv})
 
@@ -489,7 +489,7 @@ func checkTestService(t *testing.T, client testpb.TestServiceClient) {
 // 5 s and reloads Caddy with a changed site list halfway: every ping gets
 // its pong, and the agent keeps its session.
 func TestGRPCBidiSurvivesReload(t *testing.T) {
-	c := startStreamCaddy(t, "", "", grpcSite)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true, CaptureLog: true}, grpcSite)
 	srv := startGRPCServer(t)
 	a := startAgent(t, c.serverURL(), "agent-grpc", agent.Upstream{Host: "grpc.test", Target: "http://" + srv})
 	sessions := a.Sessions()
@@ -505,8 +505,8 @@ func TestGRPCBidiSurvivesReload(t *testing.T) {
 	for i := 0; i < pings; i++ {
 		<-tick.C
 		if i == pings/2 {
-			c.reload(grpcSite + "\n\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-			if code, body := get(t, c.caddyServer, "extra.test", "/"); code != 200 || body != "new site" {
+			c.load(grpcSite + "\n\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
+			if code, body := get(t, c, "extra.test", "/"); code != 200 || body != "new site" {
 				t.Fatalf("new config not active: %d %q", code, body)
 			}
 		}
@@ -538,7 +538,7 @@ func TestGRPCBidiSurvivesReload(t *testing.T) {
 // TestReloadKeepsInFlightSSEAndWebSocket reloads Caddy while a slow event
 // stream and a WebSocket are open: both carry on to their end.
 func TestReloadKeepsInFlightSSEAndWebSocket(t *testing.T) {
-	c := startStreamCaddy(t, "", "", siteAll)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true, CaptureLog: true}, siteAll)
 	up := startUpstream(t, "app")
 	a := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
 	sessions := a.Sessions()
@@ -550,12 +550,12 @@ func TestReloadKeepsInFlightSSEAndWebSocket(t *testing.T) {
 			t.Fatalf("event %d: %q", i, ev)
 		}
 	}
-	ws := dialWS(t, c.caddyServer, "app.test")
+	ws := dialWS(t, c, "app.test")
 	defer ws.CloseNow()
 	echoWS(t, ws, 10)
 
-	c.reload(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-	if code, body := get(t, c.caddyServer, "extra.test", "/"); code != 200 || body != "new site" {
+	c.load(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
+	if code, body := get(t, c, "extra.test", "/"); code != 200 || body != "new site" {
 		t.Fatalf("new config not active: %d %q", code, body)
 	}
 
@@ -583,7 +583,7 @@ func TestReloadKeepsInFlightSSEAndWebSocket(t *testing.T) {
 // and logged as a shutdown, and Stop returns.
 func TestCaddyStopDrainsStreams(t *testing.T) {
 	const grace = 2 * time.Second
-	c := startStreamCaddy(t, "\t\tdrain_grace 2s", "", siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: "\t\tdrain_grace 2s", NoRedirects: true, CaptureLog: true}, siteAll)
 	up := startUpstream(t, "app")
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
 
@@ -591,7 +591,7 @@ func TestCaddyStopDrainsStreams(t *testing.T) {
 	s := openSSE(t, h1Client(), sseRequest(t, c.url(uri), "app.test", true))
 	s.mustNext(t, 10*time.Second)
 	s.mustNext(t, 10*time.Second)
-	ws := dialWS(t, c.caddyServer, "app.test")
+	ws := dialWS(t, c, "app.test")
 	defer ws.CloseNow()
 	echoWS(t, ws, 10)
 
@@ -656,13 +656,14 @@ func TestSSESoak(t *testing.T) {
 	const streams, events = 32, 200 // 200 events 100 ms apart: 20 s
 	// keepalive 1s: pooled idle connections to the agent close soon after
 	// the streams, so the descriptor count shows what the streams left.
-	c := startStreamCaddy(t, "", "", `http://:{HTTP} {
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true, CaptureLog: true}, `http://:{HTTP} {
 	sluice {
 		transport sluice {
 			keepalive 1s
 		}
 	}
 }`)
+
 	up := startUpstream(t, "soak")
 	startAgent(t, c.serverURL(), "agent-soak", agent.Upstream{Host: "soak.test", Target: up})
 	tr := &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: streams}

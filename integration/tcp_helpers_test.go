@@ -20,11 +20,6 @@ import (
 
 	"github.com/pires/go-proxyproto"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest"
-	"go.uber.org/zap/zaptest/observer"
-
-	"github.com/sluice-tunnel/sluice/agent"
 )
 
 // loopback is 127.0.0.1:port.
@@ -213,37 +208,6 @@ func proxyEchoHandler(ch chan<- proxyReport) func(net.Conn) {
 		fmt.Fprintf(c, "%s %s\n", h.SourceAddr, h.DestinationAddr)
 		io.Copy(c, br)
 		c.(*net.TCPConn).CloseWrite()
-	}
-}
-
-// observedAgent is launchAgent with the agent's log also recorded at Info.
-func launchAgentObserved(t testing.TB, serverURL, id string, upstreams ...agent.Upstream) (*runningAgent, *observer.ObservedLogs) {
-	t.Helper()
-	cfg := &agent.Config{Server: serverURL, Token: testToken, ID: id, Upstreams: upstreams}
-	if err := cfg.Validate(); err != nil {
-		t.Fatalf("agent config: %v", err)
-	}
-	obsCore, logs := observer.New(zap.InfoLevel)
-	testCore := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)).Core()
-	logger := zap.New(zapcore.NewTee(testCore, obsCore)).Named(id)
-	a, err := agent.New(cfg, logger, agent.WithBackoff(50*time.Millisecond, 500*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ra := &runningAgent{Agent: a, cancel: cancel, done: make(chan error, 1)}
-	go func() { ra.done <- a.Run(ctx) }()
-	t.Cleanup(ra.stop)
-	return ra, logs
-}
-
-// waitConnected waits (bounded) for a launched agent's first session.
-func waitConnected(t testing.TB, a *runningAgent) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := a.WaitConnected(ctx); err != nil {
-		t.Fatalf("agent never connected: %v", err)
 	}
 }
 

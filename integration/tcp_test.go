@@ -33,7 +33,7 @@ import (
 func TestRedisThroughListenPort(t *testing.T) {
 	redis := startRedis(t)
 	port := freePort(t)
-	c := startCaddyGlobal(t, portRangeGlobal(port, port), "")
+	c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(port, port)}, "")
 	startAgent(t, c.serverURL(), "agent-redis", agent.Upstream{ListenPort: port, Target: tcpTarget(redis)})
 	cli := needCommand(t, "redis-cli")
 	p := strconv.Itoa(port)
@@ -164,7 +164,7 @@ func TestTLSPassthroughBySNI(t *testing.T) {
 		return true
 	})
 
-	c := startCaddyGlobal(t, passthroughGlobal, "app.test {\n\ttls internal\n\trespond \"caddy site\"\n}\n")
+	c := startCaddyWith(t, caddyOptions{Global: passthroughGlobal}, "app.test {\n\ttls internal\n\trespond \"caddy site\"\n}\n")
 	startAgent(t, c.serverURL(), "agent-pass", agent.Upstream{Host: "secure.pass.test", Target: tcpTarget(sPort), TLSPassthrough: true})
 
 	t.Run("curl reaches s_server by SNI", func(t *testing.T) {
@@ -240,7 +240,7 @@ func TestRedisTLSTerminatedAtLayer4(t *testing.T) {
 `, port)
 	// The site makes Caddy manage an internal certificate for the name;
 	// the layer4 tls handler uses it.
-	c := startCaddyGlobal(t, global, "redis.tls.test {\n\ttls internal\n\trespond \"x\"\n}\n")
+	c := startCaddyWith(t, caddyOptions{Global: global}, "redis.tls.test {\n\ttls internal\n\trespond \"x\"\n}\n")
 	startAgent(t, c.serverURL(), "agent-redis", agent.Upstream{Host: "redis.tls.test", Target: tcpTarget(redis)})
 	p := strconv.Itoa(port)
 
@@ -317,7 +317,7 @@ func proxyHeader(t testing.TB, version byte, port int) []byte {
 
 func TestProxyProtocolInAndOut(t *testing.T) {
 	port := freePort(t)
-	c := startCaddyGlobal(t, proxyGlobal(port, "echo"), "")
+	c := startCaddyWith(t, caddyOptions{Global: proxyGlobal(port, "echo")}, "")
 	reports := make(chan proxyReport, 4)
 	up := serveTCP(t, proxyEchoHandler(reports))
 
@@ -368,7 +368,7 @@ func TestPortClaims(t *testing.T) {
 	echo := serveTCP(t, echoHandler)
 
 	// Only the other port is claimable at first.
-	c := startCaddyGlobal(t, portRangeGlobal(other, other), "")
+	c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(other, other)}, "")
 	a, logs := launchAgentObserved(t, c.serverURL(), "agent-a", agent.Upstream{ListenPort: port, Target: tcpTarget(echo)})
 	waitConnected(t, a)
 	sessions := a.Sessions()
@@ -461,7 +461,7 @@ func TestTCPNoRouteClosesPromptly(t *testing.T) {
 	}
 `, noAgent, served)
 	// A site, so that the HTTPS port (and its listener wrapper) exists.
-	c := startCaddyGlobal(t, global, "app.test {\n\ttls internal\n\trespond \"caddy site\"\n}\n")
+	c := startCaddyWith(t, caddyOptions{Global: global}, "app.test {\n\ttls internal\n\trespond \"caddy site\"\n}\n")
 	echo := serveTCP(t, echoHandler)
 	web := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, "passthrough upstream")
@@ -543,7 +543,7 @@ func TestHalfCloseThroughTCP(t *testing.T) {
 	global := portRangeGlobal(min(pCount, pFirst), max(pCount, pFirst)) + "\tlayer4 {\n" +
 		l4(l4Count, "count.tcp.test", false) + l4(l4First, "first.tcp.test", false) +
 		l4(ppCount, "count.tcp.test", true) + l4(ppFirst, "first.tcp.test", true) + "\t}\n"
-	c := startCaddyGlobal(t, global, "")
+	c := startCaddyWith(t, caddyOptions{Global: global}, "")
 	startAgent(t, c.serverURL(), "agent-a",
 		agent.Upstream{ListenPort: pCount, Target: tcpTarget(count)},
 		agent.Upstream{ListenPort: pFirst, Target: tcpTarget(first)},
@@ -618,7 +618,7 @@ func TestTCPThousandConcurrentConnections(t *testing.T) {
 	raiseNoFile(t, 5*n+1000) // client, node, agent and upstream ends, plus slack
 	echo := serveTCP(t, echoHandler)
 	port := freePort(t)
-	c := startCaddyGlobal(t, portRangeGlobal(port, port), "")
+	c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(port, port)}, "")
 	a := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{ListenPort: port, Target: tcpTarget(echo)})
 
 	deadline := time.Now().Add(60 * time.Second)
@@ -692,7 +692,7 @@ func TestTCPThousandConcurrentConnections(t *testing.T) {
 func TestVerbatimIdleTimeout(t *testing.T) {
 	echo := serveTCP(t, echoHandler)
 	port := freePort(t)
-	c := startCaddyGlobal(t, portRangeGlobal(port, port), "")
+	c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(port, port)}, "")
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{ListenPort: port, Target: tcpTarget(echo), VerbatimIdleTimeout: 300 * time.Millisecond})
 
 	exchange := func(conn net.Conn, msg string) error {
