@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -13,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -282,6 +284,30 @@ func get(t testing.TB, c *caddyServer, host, path string) (int, string) {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(b)
+}
+
+// getAfterReload is get for the first request after a reload. caddy.Load
+// returns once the old servers' Shutdown has been started, not finished:
+// for a moment the old listener, which shares the port (SO_REUSEPORT), may
+// still take a connection and then reset it as it closes. That is Caddy's
+// reload, not the tunnel, so a reset or refused dial is retried (bounded).
+func getAfterReload(t testing.TB, c *caddyServer, host, path string) (int, string) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		req, _ := http.NewRequest("GET", c.url(path), nil)
+		req.Host = host
+		resp, err := hostClient().Do(req)
+		if err == nil {
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			return resp.StatusCode, string(b)
+		}
+		if time.Now().After(deadline) || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED)) {
+			t.Fatalf("GET %s%s after reload: %v", host, path, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // eventually polls cond until it holds or within passes.

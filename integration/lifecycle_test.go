@@ -115,7 +115,7 @@ func TestReloadKeepsInFlightDownloadAndWebSocket(t *testing.T) {
 	// Reload with a changed config: a new site.
 	c.load(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
 
-	if code, body := get(t, c, "extra.test", "/"); code != 200 || body != "new site" {
+	if code, body := getAfterReload(t, c, "extra.test", "/"); code != 200 || body != "new site" {
 		t.Fatalf("new config not active: %d %q", code, body)
 	}
 	rest, err := io.Copy(io.Discard, resp.Body)

@@ -506,7 +506,7 @@ func TestGRPCBidiSurvivesReload(t *testing.T) {
 		<-tick.C
 		if i == pings/2 {
 			c.load(grpcSite + "\n\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-			if code, body := get(t, c, "extra.test", "/"); code != 200 || body != "new site" {
+			if code, body := getAfterReload(t, c, "extra.test", "/"); code != 200 || body != "new site" {
 				t.Fatalf("new config not active: %d %q", code, body)
 			}
 		}
@@ -555,7 +555,7 @@ func TestReloadKeepsInFlightSSEAndWebSocket(t *testing.T) {
 	echoWS(t, ws, 10)
 
 	c.load(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-	if code, body := get(t, c, "extra.test", "/"); code != 200 || body != "new site" {
+	if code, body := getAfterReload(t, c, "extra.test", "/"); code != 200 || body != "new site" {
 		t.Fatalf("new config not active: %d %q", code, body)
 	}
 
