@@ -144,17 +144,22 @@ func (c *connector) wait(d time.Duration) bool {
 	}
 }
 
+// dialFailed logs (through the upstream's throttle) and answers a
+// connection whose upstream could not be reached.
+func (c *connector) dialFailed(conn *tunnelcore.Conn, up *upstream, msg string, err error) {
+	if ok, suppressed := up.dialLog.Allow(); ok {
+		c.log.Warn(msg, zap.String("route", up.cfg.Name), zap.String("target", up.cfg.Target),
+			zap.Error(err), zap.Int("suppressed", suppressed))
+	}
+	conn.Abort(tunnelpb.Error_DIAL_FAILED, err.Error())
+}
+
 func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstream) {
 	info := conn.Info()
 	target := up.cfg.Target
 	uc, err := c.dial(ctx, up)
 	if err != nil {
-		if ok, suppressed := up.dialLog.Allow(); ok {
-			c.log.Warn("upstream dial failed",
-				zap.String("route", up.cfg.Name), zap.String("target", target),
-				zap.Error(err), zap.Int("suppressed", suppressed))
-		}
-		conn.Abort(tunnelpb.Error_DIAL_FAILED, fmt.Sprintf("dial %s: %v", target, err))
+		c.dialFailed(conn, up, "upstream dial failed", fmt.Errorf("dial %s: %w", target, err))
 		return
 	}
 	if v := up.cfg.ProxyProtocol; v != "" {
@@ -169,12 +174,7 @@ func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstr
 		uc.SetWriteDeadline(time.Time{})
 		if err != nil {
 			uc.Close()
-			if ok, suppressed := up.dialLog.Allow(); ok {
-				c.log.Warn("upstream PROXY header failed",
-					zap.String("route", up.cfg.Name), zap.String("target", target),
-					zap.Error(err), zap.Int("suppressed", suppressed))
-			}
-			conn.Abort(tunnelpb.Error_DIAL_FAILED, fmt.Sprintf("dial %s: PROXY header: %v", target, err))
+			c.dialFailed(conn, up, "upstream PROXY header failed", fmt.Errorf("dial %s: PROXY header: %w", target, err))
 			return
 		}
 	}

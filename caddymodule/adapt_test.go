@@ -1,11 +1,6 @@
 package caddymodule
 
 import (
-	"bytes"
-	"encoding/json"
-	"flag"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -14,50 +9,14 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	_ "github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	_ "github.com/caddyserver/caddy/v2/modules/caddytls"
+
+	"github.com/sluice-tunnel/sluice/internal/adapttest"
 )
 
-var update = flag.Bool("update", false, "rewrite the golden adapt files with the current output")
-
-const goldenSeparator = "----------"
-
-// TestCaddyfileAdapt adapts every testdata/adapt/*.caddytest Caddyfile and
-// compares the JSON with the golden part after the separator, as Caddy's
-// and caddy-l4's adapt tests do.
+// TestCaddyfileAdapt compares adapted testdata/adapt/*.caddytest files with
+// their golden JSON (go test -update rewrites them).
 func TestCaddyfileAdapt(t *testing.T) {
-	files, _ := filepath.Glob("testdata/adapt/*.caddytest")
-	if len(files) == 0 {
-		t.Fatal("no golden files")
-	}
-	for _, f := range files {
-		t.Run(filepath.Base(f), func(t *testing.T) {
-			raw, err := os.ReadFile(f)
-			if err != nil {
-				t.Fatal(err)
-			}
-			in, want, _ := strings.Cut(string(raw), goldenSeparator)
-			got := adapt(t, strings.TrimSpace(in)+"\n")
-			if *update {
-				os.WriteFile(f, []byte(strings.TrimSpace(in)+"\n"+goldenSeparator+"\n"+got+"\n"), 0o644)
-				return
-			}
-			if got != strings.TrimSpace(want) {
-				t.Errorf("adapted JSON differs\ngot:\n%s\nwant:\n%s", got, strings.TrimSpace(want))
-			}
-		})
-	}
-}
-
-func adapt(t *testing.T, in string) string {
-	t.Helper()
-	out, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(in), nil)
-	if err != nil {
-		t.Fatalf("adapt: %v", err)
-	}
-	var b bytes.Buffer
-	if err := json.Indent(&b, out, "", "\t"); err != nil {
-		t.Fatal(err)
-	}
-	return b.String()
+	adapttest.Run(t, "testdata/adapt/*.caddytest")
 }
 
 // TestCaddyfileErrors: invalid Caddyfiles fail at adapt time, naming what is wrong.

@@ -2,10 +2,8 @@ package caddymodule
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -13,8 +11,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
-
-	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 func init() {
@@ -89,7 +85,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	host := normalizeHost(r.Host)
 	// max_connections is not checked here: a request that reuses an idle
 	// pooled connection takes no new slot. A dial that finds every slot
-	// taken fails with tunnelcore.ErrConnLimit, answered below.
+	// taken marks the exchange, and serveWithPolicy answers 503.
 	release, ok := n.clients.acquire(r.RemoteAddr, n.opts.Load().maxConnsPerAddr)
 	if !ok {
 		return h.limited(w, r, "max_connections_per_address")
@@ -111,30 +107,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		fmt.Fprintf(w, "503 Service Unavailable: no sluice agent is connected for %s\n", host)
 		return nil
 	}
-	err := h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
+	return h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
 		return h.Handler.ServeHTTP(w, r, next)
 	})
-	if isConnLimit(err) {
-		// Nothing was written: the dial failed. The transport counted and
-		// logged the refusal.
-		answerLimited(w, "max_connections")
-		return nil
-	}
-	return err
-}
-
-// isConnLimit reports whether err is a dial the transport failed because
-// every connection slot was taken. reverseproxy.DialError does not unwrap,
-// so below it the sentinel is recognised by its text.
-func isConnLimit(err error) bool {
-	if err == nil {
-		return false
-	}
-	if errors.Is(err, tunnelcore.ErrConnLimit) {
-		return true
-	}
-	var de reverseproxy.DialError
-	return errors.As(err, &de) && strings.Contains(de.Error(), tunnelcore.ErrConnLimit.Error())
 }
 
 // limited answers a request refused by a connection limit: 503 with

@@ -80,14 +80,9 @@ func (n *node) refuseTCP(client net.Conn, limit string) {
 	client.Close()
 }
 
-// logLimit counts a refusal and logs it through the throttle. A refusal by
-// max_connections also closes the idle pooled HTTP connections, whose slots
-// would otherwise stay taken until the transport's idle timeout.
+// logLimit counts a refusal and logs it through the throttle.
 func (n *node) logLimit(kind, limit, remote string) {
 	n.refused.Add(1)
-	if limit == "max_connections" {
-		n.closeIdleConns()
-	}
 	if ok, suppressed := n.limitLog.Allow(); ok {
 		n.log().Warn("connection refused by a limit", zap.String("kind", kind), zap.String("limit", limit),
 			zap.String("remote", remote), zap.Int64("refused_total", n.refused.Load()), zap.Int("suppressed_since_last", suppressed))
@@ -136,3 +131,8 @@ func Stats() []NodeStats {
 	})
 	return out
 }
+
+// connLimitReached runs when an Open found every connection slot taken. The
+// idle pooled HTTP connections hold slots they would keep until the
+// transport's idle timeout: close them so the next dial finds one.
+func (n *node) connLimitReached() { n.closeIdleConns() }

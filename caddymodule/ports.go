@@ -46,31 +46,19 @@ func parsePortRange(s string) (portRange, error) {
 type portClaim struct {
 	port      uint32
 	ln        net.Listener
-	claimants []claimant
+	claimants []*routeEntry // in claim order; entries are bound (registry.bind) before they claim
 }
 
-// claimant is one route claiming a port, with the session it belongs to.
-// The session is taken when the claim is made: the port serves connections
-// at once, while the registry may still be writing the entry's fields
-// (register and reroute set e.agent after admit), so nothing here reads
-// e.agent after the claim.
-type claimant struct {
-	e     *routeEntry
-	agent *agentSession
-}
-
-func (c *portClaim) owner() (claimant, bool) {
-	var best claimant
-	found := false
-	// Claimants are in claim order: among the same agent id (a reconnect
-	// before the old session ended) the newest session wins, as it does
-	// for HTTP routes.
-	for _, x := range c.claimants {
-		if !found || x.agent.agentID <= best.agent.agentID {
-			best, found = x, true
+func (c *portClaim) owner() *routeEntry {
+	var best *routeEntry
+	// Among the same agent id (a reconnect before the old session ended)
+	// the newest claim wins, as it does for HTTP routes.
+	for _, e := range c.claimants {
+		if best == nil || e.agent.agentID <= best.agent.agentID {
+			best = e
 		}
 	}
-	return best, found
+	return best
 }
 
 // portManager binds the ports agents claim within tcp_port_range and
@@ -99,23 +87,22 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 	if !opts.portRange.contains(port) {
 		return fmt.Errorf("port %d is outside tcp_port_range %s", port, opts.portRange)
 	}
-	me := claimant{e: e, agent: e.agent}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c := m.by[port]; c != nil {
-		if o, ok := c.owner(); ok && o.agent.agentID < me.agent.agentID {
+		if o := c.owner(); o != nil && o.agent.agentID < e.agent.agentID {
 			return fmt.Errorf("port %d is held by agent %s", port, o.agent.agentID)
 		}
-		c.claimants = append(c.claimants, me)
+		c.claimants = append(c.claimants, e)
 		return nil
 	}
 	ln, err := net.Listen("tcp", net.JoinHostPort(opts.tcpBind, strconv.Itoa(int(port))))
 	if err != nil {
 		return fmt.Errorf("port %d: %w", port, err)
 	}
-	c := &portClaim{port: port, ln: ln, claimants: []claimant{me}}
+	c := &portClaim{port: port, ln: ln, claimants: []*routeEntry{e}}
 	m.by[port] = c
-	m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", me.agent.agentID), zap.String("address", ln.Addr().String()))
+	m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", e.agent.agentID), zap.String("address", ln.Addr().String()))
 	go m.serve(c)
 	return nil
 }
@@ -130,7 +117,7 @@ func (m *portManager) release(e *routeEntry) {
 		return
 	}
 	for i, x := range c.claimants {
-		if x.e == e {
+		if x == e {
 			c.claimants = append(c.claimants[:i], c.claimants[i+1:]...)
 			break
 		}
@@ -146,14 +133,15 @@ func (m *portManager) release(e *routeEntry) {
 	}
 }
 
-// owner returns the route (and its session) that owns port, if bound.
-func (m *portManager) owner(port uint32) (claimant, bool) {
+// owner returns the route that owns port, or nil when the node has not
+// bound it.
+func (m *portManager) owner(port uint32) *routeEntry {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c := m.by[port]; c != nil {
 		return c.owner()
 	}
-	return claimant{}, false
+	return nil
 }
 
 // serve relays every connection to the port's current owner.
@@ -163,12 +151,12 @@ func (m *portManager) serve(c *portClaim) {
 		if err != nil {
 			return // closed by release or shutdown
 		}
-		o, ok := m.owner(c.port)
-		if !ok {
+		e := m.owner(c.port)
+		if e == nil {
 			conn.Close()
 			continue
 		}
-		go m.n.relayTCP(conn, o.e, o.agent, "")
+		go m.n.relayTCP(conn, e, "")
 	}
 }
 

@@ -273,35 +273,31 @@ func buildTable(agents []*agentSession) *routeTable {
 // host routes if any, else the host patterns that match, else the
 // catch-all routes.
 func (t *routeTable) lookupHTTP(host string) []*routeEntry {
-	if es := t.exact[host]; len(es) > 0 {
+	if es := lookupHost(t.exact, t.patterns, host); len(es) > 0 {
+		return es
+	}
+	return t.catchAll
+}
+
+// lookupHost returns exact's routes for host, else the patterns that match
+// it whole.
+func lookupHost(exact map[string][]*routeEntry, patterns []*routeEntry, host string) []*routeEntry {
+	if es := exact[host]; len(es) > 0 {
 		return es
 	}
 	var out []*routeEntry
-	for _, e := range t.patterns {
+	for _, e := range patterns {
 		if e.pattern.MatchString(host) {
 			out = append(out, e)
 		}
 	}
-	if len(out) > 0 {
-		return out
-	}
-	return t.catchAll
+	return out
 }
 
 // lookupSNI returns the TCP routes for a TLS server name: exact hosts
 // first, then patterns, ordered by agent id.
 func (t *routeTable) lookupSNI(name string) []*routeEntry {
-	name = strings.TrimSuffix(strings.ToLower(name), ".")
-	if es := t.sniExact[name]; len(es) > 0 {
-		return es
-	}
-	var out []*routeEntry
-	for _, e := range t.sniPatterns {
-		if e.pattern.MatchString(name) {
-			out = append(out, e)
-		}
-	}
-	return out
+	return lookupHost(t.sniExact, t.sniPatterns, strings.TrimSuffix(strings.ToLower(name), "."))
 }
 
 // lookupName returns the routes named name (or, failing that, serving the

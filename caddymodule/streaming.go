@@ -153,7 +153,15 @@ type exchange struct {
 
 	bytesOut atomic.Int64
 	bytesIn  atomic.Int64
+
+	// connLimited is set by the transport when a dial for this exchange
+	// found no free connection slot.
+	connLimited atomic.Bool
 }
+
+// exchangeKey carries the *exchange in the request context down to the
+// transport's dial (net/http keeps the request's context values for it).
+type exchangeKey struct{}
 
 // arm installs the whole-exchange deadline d, counted from the start.
 func (x *exchange) armLocked(d time.Duration) {
@@ -267,13 +275,19 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 			h.logStream(r, x, outcome(errAborted, context.Cause(ctx), clientCtx, n.drainCtx))
 		}
 	}()
-	err := next(pw, r.WithContext(ctx))
+	err := next(pw, r.WithContext(context.WithValue(ctx, exchangeKey{}, x)))
 	returned = true
 
 	cause := context.Cause(ctx)
 	x.mu.Lock()
 	committed := x.committed
 	x.mu.Unlock()
+	if x.connLimited.Load() && !committed {
+		// The dial found every connection slot taken (the transport
+		// counted and logged it): answer 503 with Retry-After.
+		answerLimited(w, "max_connections")
+		return nil
+	}
 	if errors.Is(cause, errExchangeTimeout) && !committed {
 		err = caddyhttp.Error(http.StatusGatewayTimeout, cause)
 	}

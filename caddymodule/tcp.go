@@ -43,23 +43,21 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 	case target.ServerName != "":
 		routes = t.lookupSNI(target.ServerName)
 	default:
-		if o, ok := a.node.ports.owner(target.LocalPort); ok {
-			return a.node.relayTCP(client, o.e, o.agent, target.ServerName)
+		if e := a.node.ports.owner(target.LocalPort); e != nil {
+			return a.node.relayTCP(client, e, target.ServerName)
 		}
 		routes = t.byPort[target.LocalPort]
 	}
 	if len(routes) == 0 {
 		return ErrNoRoute
 	}
-	// Entries of a loaded table are complete: reading e.agent is safe.
-	return a.node.relayTCP(client, routes[0], routes[0].agent, target.ServerName)
+	return a.node.relayTCP(client, routes[0], target.ServerName)
 }
 
-// relayTCP opens a virtual connection for route e on its session ag and
+// relayTCP opens a virtual connection for route e on its session and
 // relays client through it, closing both when done or when the route's idle
-// timeout passes with no byte either way. ag is passed rather than read from
-// e: a port claim serves connections before the registry finished writing e.
-func (n *node) relayTCP(client net.Conn, e *routeEntry, ag *agentSession, serverName string) error {
+// timeout passes with no byte either way.
+func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error {
 	if !e.allows(client.RemoteAddr().String()) {
 		n.refuseTCP(client, "allowed_cidrs")
 		return ErrForbidden
@@ -76,8 +74,9 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, ag *agentSession, server
 		LocalAddr:  client.LocalAddr().String(),
 		ServerName: serverName,
 	}
-	up, err := ag.sess.Open(info)
+	up, err := e.agent.sess.Open(info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
+		n.connLimitReached()
 		n.refuseTCP(client, "max_connections")
 		return ErrLimit
 	}

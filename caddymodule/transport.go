@@ -106,7 +106,11 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 	}
 	conn, err := e.agent.sess.Open(info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
+		t.app.node.connLimitReached()
 		t.app.node.logLimit("http", "max_connections", info.RemoteAddr)
+		if x, ok := ctx.Value(exchangeKey{}).(*exchange); ok {
+			x.connLimited.Store(true)
+		}
 	}
 	if err != nil {
 		return nil, unavailable(fmt.Errorf("sluice: agent %s: %w", e.agent.agentID, err))

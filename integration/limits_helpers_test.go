@@ -312,3 +312,13 @@ func (limZeroReader) Read(p []byte) (int, error) {
 	clear(p)
 	return len(p), nil
 }
+
+// limDialEcho dials addr and completes one echo exchange through it.
+func limDialEcho(addr string) error {
+	conn, err := net.DialTimeout("tcp", addr, time.Second)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return limEcho(conn, "ping", 2*time.Second)
+}

@@ -132,14 +132,7 @@ func TestMaxConnectionsRefusesAndReleases(t *testing.T) {
 		agent.Upstream{Host: "nokeep.test", Target: up.url},
 		agent.Upstream{ListenPort: port, Target: fmt.Sprintf("tcp://127.0.0.1:%d", echo)})
 	tcpAddr := fmt.Sprintf("127.0.0.1:%d", port)
-	tcpEcho := func() error {
-		conn, err := net.DialTimeout("tcp", tcpAddr, time.Second)
-		if err != nil {
-			return err
-		}
-		defer conn.Close()
-		return limEcho(conn, "ping", 2*time.Second)
-	}
+	tcpEcho := func() error { return limDialEcho(tcpAddr) }
 	eventually(t, 10*time.Second, "the listen port relays", func() bool { return tcpEcho() == nil })
 	eventually(t, 5*time.Second, "no slot in use before the rounds", func() bool { return c.mustStats(t).SlotsInUse == 0 })
 	if st := c.mustStats(t); st.MaxConnections != limit {
@@ -240,14 +233,7 @@ func TestMaxConnectionsPerAddress(t *testing.T) {
 		agent.Upstream{Host: "hold.test", Target: up.url},
 		agent.Upstream{ListenPort: port, Target: fmt.Sprintf("tcp://127.0.0.1:%d", echo)})
 	tcpAddr := fmt.Sprintf("127.0.0.1:%d", port)
-	tcpEcho := func() error {
-		conn, err := net.DialTimeout("tcp", tcpAddr, time.Second)
-		if err != nil {
-			return err
-		}
-		defer conn.Close()
-		return limEcho(conn, "ping", 2*time.Second)
-	}
+	tcpEcho := func() error { return limDialEcho(tcpAddr) }
 	// The port is bound before the agent is acknowledged. (No probe here:
 	// a probe's relay would count against the address while it winds down.)
 

@@ -1,11 +1,7 @@
 package l4module
 
 import (
-	"bytes"
-	"encoding/json"
-	"flag"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -18,40 +14,14 @@ import (
 	_ "github.com/mholt/caddy-l4/modules/l4tls"
 
 	_ "github.com/sluice-tunnel/sluice/caddymodule"
+
+	"github.com/sluice-tunnel/sluice/internal/adapttest"
 )
 
-var update = flag.Bool("update", false, "rewrite the golden adapt files with the current output")
-
 // TestCaddyfileAdapt compares adapted testdata/adapt/*.caddytest files with
-// their golden JSON, as caddy-l4's own adapt tests do.
+// their golden JSON (go test -update rewrites them).
 func TestCaddyfileAdapt(t *testing.T) {
-	files, _ := filepath.Glob("testdata/adapt/*.caddytest")
-	if len(files) == 0 {
-		t.Fatal("no golden files")
-	}
-	for _, f := range files {
-		t.Run(filepath.Base(f), func(t *testing.T) {
-			raw, err := os.ReadFile(f)
-			if err != nil {
-				t.Fatal(err)
-			}
-			in, want, _ := strings.Cut(string(raw), "----------")
-			out, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(strings.TrimSpace(in)+"\n"), nil)
-			if err != nil {
-				t.Fatalf("adapt: %v", err)
-			}
-			var b bytes.Buffer
-			json.Indent(&b, out, "", "\t")
-			got := b.String()
-			if *update {
-				os.WriteFile(f, []byte(strings.TrimSpace(in)+"\n----------\n"+got+"\n"), 0o644)
-				return
-			}
-			if got != strings.TrimSpace(want) {
-				t.Errorf("adapted JSON differs\ngot:\n%s\nwant:\n%s", got, strings.TrimSpace(want))
-			}
-		})
-	}
+	adapttest.Run(t, "testdata/adapt/*.caddytest")
 }
 
 func TestCaddyfileErrors(t *testing.T) {
