@@ -404,10 +404,13 @@ func (a *Agent) dialOptions() []grpc.DialOption {
 		grpc.WithTransportCredentials(a.creds),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
 		// DATA buffers come from tunnelcore's pool (not zeroed on reuse),
-		// and larger socket buffers halve the syscalls per byte.
+		// larger socket buffers halve the syscalls per byte, and static
+		// windows spare the BDP pings (see tunnelcore.GRPCWindowSize).
 		experimental.WithBufferPool(tunnelcore.BufferPool()),
 		grpc.WithReadBufferSize(tunnelcore.GRPCBufferSize),
 		grpc.WithWriteBufferSize(tunnelcore.GRPCBufferSize),
+		grpc.WithInitialWindowSize(tunnelcore.GRPCWindowSize),
+		grpc.WithInitialConnWindowSize(tunnelcore.GRPCWindowSize),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{
 			Time:                30 * time.Second,
 			Timeout:             10 * time.Second,

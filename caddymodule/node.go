@@ -110,6 +110,8 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 		experimental.BufferPool(tunnelcore.BufferPool()),
 		grpc.ReadBufferSize(tunnelcore.GRPCBufferSize),
 		grpc.WriteBufferSize(tunnelcore.GRPCBufferSize),
+		grpc.InitialWindowSize(tunnelcore.GRPCWindowSize),
+		grpc.InitialConnWindowSize(tunnelcore.GRPCWindowSize),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
 		// Agents ping every 30 s even with no stream open; allow down to 10 s.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),

@@ -146,7 +146,8 @@ func envInt(name string) int {
 }
 
 func benchServerOpts() []grpc.ServerOption {
-	o := []grpc.ServerOption{grpc.WriteBufferSize(GRPCBufferSize), grpc.ReadBufferSize(GRPCBufferSize)}
+	o := []grpc.ServerOption{grpc.WriteBufferSize(GRPCBufferSize), grpc.ReadBufferSize(GRPCBufferSize),
+		grpc.InitialWindowSize(GRPCWindowSize), grpc.InitialConnWindowSize(GRPCWindowSize)}
 	if n := envInt("WB"); n > 0 {
 		o = append(o, grpc.WriteBufferSize(n), grpc.ReadBufferSize(n))
 	}
@@ -157,7 +158,8 @@ func benchServerOpts() []grpc.ServerOption {
 }
 
 func benchDialOpts() []grpc.DialOption {
-	o := []grpc.DialOption{grpc.WithWriteBufferSize(GRPCBufferSize), grpc.WithReadBufferSize(GRPCBufferSize)}
+	o := []grpc.DialOption{grpc.WithWriteBufferSize(GRPCBufferSize), grpc.WithReadBufferSize(GRPCBufferSize),
+		grpc.WithInitialWindowSize(GRPCWindowSize), grpc.WithInitialConnWindowSize(GRPCWindowSize)}
 	if n := envInt("WB"); n > 0 {
 		o = append(o, grpc.WithWriteBufferSize(n), grpc.WithReadBufferSize(n))
 	}
