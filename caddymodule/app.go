@@ -60,6 +60,10 @@ type App struct {
 	// with listen-port routes; the app binds each claimed port while its
 	// agent is connected. Unset: the app binds none, and listen-port routes
 	// are served only by layer4 servers of the config that route by port.
+	// A reload that changes the range (or tcp_bind) applies to connected
+	// agents at once: ports it excludes are closed (connections already
+	// relayed keep running) and reported rejected to their agents, ports it
+	// now includes are bound.
 	TCPPortRange string `json:"tcp_port_range,omitempty"`
 
 	// TCPBind is the host the claimed ports bind on. Default: all
@@ -283,7 +287,7 @@ func (a *App) Start() error {
 		zap.Int64("connection_memory", lim.ConnMemory), zap.Int64("max_connections", lim.MaxConnections),
 		zap.Int("max_connections_per_address", a.MaxConnectionsPerAddress),
 		zap.Int("max_sessions", a.MaxSessions), zap.Int("max_pending_streams", a.MaxPendingStreams))
-	a.node.opts.Store(&nodeOptions{
+	prev := a.node.opts.Swap(&nodeOptions{
 		maxConnsPerAddr:     a.MaxConnectionsPerAddress,
 		maxSessions:         a.MaxSessions,
 		maxSessionsPerAddr:  a.MaxSessionsPerAddress,
@@ -296,6 +300,9 @@ func (a *App) Start() error {
 		tcpBind:             a.TCPBind,
 		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
 	})
+	if prev.portRange != a.portRange || prev.tcpBind != a.TCPBind {
+		a.node.portOptionsChanged(prev.tcpBind != a.TCPBind)
+	}
 	return nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -57,6 +58,11 @@ type node struct {
 	logger atomic.Pointer[zap.Logger]
 	token  atomic.Pointer[string]
 	opts   atomic.Pointer[nodeOptions]
+
+	// admitMu serialises route admissions (a session's first Advertise,
+	// a repeated one, and the re-admission when a reload changes the port
+	// options), so each sees the options stored before it.
+	admitMu sync.Mutex
 
 	mu        sync.Mutex
 	onSession map[any]func() // called when a session ends (transports close idle conns)
@@ -263,12 +269,15 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		return status.Error(codes.Internal, err.Error())
 	}
 	a.sess = sess
-	entries, rejected := n.admit(a, adv.GetRoutes())
+	n.admitMu.Lock()
+	a.advertised = adv.GetRoutes()
+	entries, rejected := n.admit(a, a.advertised)
 	if old := n.reg.register(a, entries); old != nil {
 		n.log().Info("agent session replaced by a newer stream", zap.String("agent", a.agentID),
 			zap.String("old_remote", old.remote), zap.String("remote", remote))
 	}
 	n.sendAck(a, rejected)
+	n.admitMu.Unlock()
 	go refuseAgentOpened(streamCtx, sess)
 	n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
 		zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)))
@@ -340,11 +349,9 @@ func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
 func (n *node) onControl(a *agentSession, f *tunnelpb.Frame) {
 	switch k := f.GetKind().(type) {
 	case *tunnelpb.Frame_Advertise:
-		old := a.currentRoutes(&n.reg.mu)
-		entries, rejected := n.admit(a, k.Advertise.GetRoutes())
-		n.reg.reroute(a, entries)
-		n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
-		n.sendAck(a, rejected)
+		n.admitMu.Lock()
+		n.readmitLocked(a, k.Advertise.GetRoutes())
+		n.admitMu.Unlock()
 	case *tunnelpb.Frame_Error:
 		n.log().Warn("agent reported an error", zap.String("agent", a.agentID), zap.String("message", k.Error.GetMessage()))
 	default:
@@ -383,6 +390,43 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route) ([]*routeEntry, 
 		kept = append(kept, e)
 	}
 	return kept, rejected
+}
+
+// readmitLocked replaces a registered session's routes with routes (a
+// repeated Advertise, or its last one again after a reload changed the port
+// options) and answers with a fresh AdvertiseAck. The agent retries what
+// is rejected with its backoff. Callers hold admitMu.
+func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
+	a.advertised = routes
+	old := a.currentRoutes(&n.reg.mu)
+	entries, rejected := n.admit(a, routes)
+	n.reg.reroute(a, entries)
+	n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
+	n.sendAck(a, rejected)
+}
+
+// portOptionsChanged re-admits the listen-port routes of every session
+// after a reload changed tcp_port_range or tcp_bind: ports the new range
+// excludes are released (connections already relayed keep running) and
+// reported rejected to their agents, ports it now includes are bound at
+// once, and a new tcp_bind rebinds every port. Sessions without
+// listen-port routes are left alone, their pooled connections with them.
+func (n *node) portOptionsChanged(rebind bool) {
+	n.admitMu.Lock()
+	defer n.admitMu.Unlock()
+	if rebind {
+		n.ports.closeAll()
+	}
+	readmitted := 0
+	for _, a := range n.reg.sessions() {
+		if slices.ContainsFunc(a.advertised, func(r *tunnelpb.Route) bool { return r.GetListenPort() != 0 }) {
+			n.readmitLocked(a, a.advertised)
+			readmitted++
+		}
+	}
+	if readmitted > 0 {
+		n.log().Info("port options changed; agent port routes re-admitted", zap.Int("sessions", readmitted))
+	}
 }
 
 // releasePorts gives up the port claims of routes.

@@ -29,6 +29,10 @@ type agentSession struct {
 	build     string
 	connected time.Time
 	routes    []*routeEntry
+
+	// advertised is the agent's last Advertise, re-admitted when a reload
+	// changes the port options. Guarded by node.admitMu.
+	advertised []*tunnelpb.Route
 }
 
 // routeEntry is one route of one agent session.

@@ -391,16 +391,45 @@ func TestPortClaims(t *testing.T) {
 		return logs.FilterMessage("route accepted after retry").Len() > 0
 	})
 
+	// A reload narrowing the range releases the port at once (a relayed
+	// connection keeps running) and tells the agent, which stays connected.
+	held, err := net.DialTimeout("tcp", addr, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	if err := echoOn(held, "before"); err != nil {
+		t.Fatal(err)
+	}
+	rejections := logs.FilterMessage("route rejected by node").Len()
+	c.loadGlobal(portRangeGlobal(other, other), "")
+	eventually(t, 10*time.Second, "the port released after the range narrowed", func() bool { return portFree(addr) })
+	eventually(t, 5*time.Second, "the agent logs the new rejection", func() bool {
+		return logs.FilterMessage("route rejected by node").Len() > rejections
+	})
+	if err := echoOn(held, "after"); err != nil {
+		t.Fatalf("a connection relayed before the reload: %v", err)
+	}
+	// Widened again: bound again without waiting for the agent's backoff.
+	c.loadGlobal(portRangeGlobal(lo, hi), "")
+	eventually(t, 5*time.Second, "traffic through the port again", func() bool { return echoWorks(addr) == nil })
+	// A new tcp_bind moves the port to the new address.
+	if ln, err := net.Listen("tcp6", "[::1]:0"); err == nil {
+		ln.Close()
+		c.loadGlobal(fmt.Sprintf("\tsluice {\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind ::1\n\t}\n", lo, hi), "")
+		eventually(t, 5*time.Second, "the port moved to [::1]", func() bool {
+			return echoWorks(net.JoinHostPort("::1", strconv.Itoa(port))) == nil && portFree(addr)
+		})
+		c.loadGlobal(portRangeGlobal(lo, hi), "")
+		eventually(t, 5*time.Second, "the port back on 127.0.0.1", func() bool { return echoWorks(addr) == nil })
+	}
+	if got := a.Sessions(); got != sessions || a.State() != agent.StateConnected {
+		t.Fatalf("agent reconnected across the reloads: sessions %d -> %d, state %v", sessions, got, a.State())
+	}
+
 	// The agent leaving releases the port.
 	a.stop()
-	eventually(t, 10*time.Second, "the port released", func() bool {
-		ln, err := net.Listen("tcp", addr)
-		if err != nil {
-			return false
-		}
-		ln.Close()
-		return true
-	})
+	eventually(t, 10*time.Second, "the port released", func() bool { return portFree(addr) })
 
 	// Two agents claim one port: the smaller id owns it, the other takes
 	// over when it leaves.
