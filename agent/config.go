@@ -94,7 +94,9 @@ type Upstream struct {
 	// ProxyProtocol is "", "v1" or "v2" (tcp:// targets only): the PROXY
 	// protocol header the agent sends to the upstream.
 	ProxyProtocol string `yaml:"proxy_protocol"`
-	// ForceHTTP1 makes the agent speak HTTP/1.1 only to the upstream.
+	// ForceHTTP1 marks an upstream that speaks HTTP/1.1 only: Caddy's
+	// sluice transport uses HTTP/1.1 for this route even when its versions
+	// enable h2c or HTTP/2.
 	ForceHTTP1 bool `yaml:"force_http1"`
 	// AllowedCIDRs are the client prefixes allowed on this route; empty
 	// allows all.

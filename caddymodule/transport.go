@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -25,10 +26,15 @@ func init() {
 // upstream names. All of the http transport's options apply (versions,
 // h2c, keep-alive, timeouts, TLS to the upstream through the agent), except
 // HTTP/3 and proxy_protocol, which do not dial through a net.Conn.
+//
+// Routes whose agent upstream sets force_http1 always get HTTP/1.1, also
+// when versions enable h2c or HTTP/2: the upstream behind them speaks
+// nothing else.
 type Transport struct {
 	reverseproxy.HTTPTransport
 
 	app *App
+	h1  *http.Transport // HTTP/1.1-only twin for force_http1 routes; nil when versions offer no HTTP/2
 }
 
 // CaddyModule returns the Caddy module information.
@@ -61,9 +67,34 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	rt.Proxy = nil
 	rt.DialContext = t.dial
 	rt.DialTLSContext = nil // net/http then does TLS over our dialer
+	if slices.Contains(t.Versions, "2") || slices.Contains(t.Versions, "h2c") {
+		t.h1 = http1Only(rt)
+	}
 	// Pooled connections of an ended session are useless: drop them.
-	app.node.watchSessions(t, rt.CloseIdleConnections)
+	app.node.watchSessions(t, t.closeIdleConnections)
 	return nil
+}
+
+// http1Only returns a copy of rt (same dialer, timeouts and TLS settings)
+// that speaks HTTP/1.1 only, in the clear and over TLS.
+func http1Only(rt *http.Transport) *http.Transport {
+	h1 := rt.Clone()
+	h1.Protocols = new(http.Protocols)
+	h1.Protocols.SetHTTP1(true)
+	h1.ForceAttemptHTTP2 = false
+	// A non-nil empty map turns off net/http's HTTP/2 over TLS.
+	h1.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
+	if h1.TLSClientConfig != nil {
+		h1.TLSClientConfig.NextProtos = []string{"http/1.1"}
+	}
+	return h1
+}
+
+func (t *Transport) closeIdleConnections() {
+	t.HTTPTransport.Transport.CloseIdleConnections()
+	if t.h1 != nil {
+		t.h1.CloseIdleConnections()
+	}
 }
 
 // Cleanup closes idle connections and stops watching sessions.
@@ -71,15 +102,23 @@ func (t *Transport) Cleanup() error {
 	if t.app != nil {
 		t.app.node.unwatchSessions(t)
 	}
+	if t.h1 != nil {
+		t.h1.CloseIdleConnections()
+	}
 	return t.HTTPTransport.Cleanup()
 }
 
-// RoundTrip rewrites the Host for routes that ask for it, then proxies.
+// RoundTrip rewrites the Host for routes that ask for it, then proxies,
+// over HTTP/1.1 for force_http1 routes.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if di, ok := reverseproxy.GetDialInfo(req.Context()); ok {
 		if e := t.app.node.reg.table.Load().byDialAddress(di.Address); e != nil {
 			if h := e.route.GetRewriteHost(); h != "" {
 				req.Host = h
+			}
+			if e.route.GetForceHttp1() && t.h1 != nil {
+				t.SetScheme(req)
+				return t.h1.RoundTrip(req)
 			}
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/http/httptrace"
 	"os/exec"
 	"strings"
@@ -170,6 +171,36 @@ func TestHTTPSH2AtCaddy(t *testing.T) {
 	s := string(out)
 	if !strings.Contains(s, "Hello from app: host=app.test") || !strings.Contains(s, "version=2") {
 		t.Fatalf("curl over h2:\n%s", s)
+	}
+}
+
+// TestForceHTTP1Route: with versions h2c on the sluice transport, a route
+// whose agent upstream sets force_http1 still gets HTTP/1.1 (its upstream
+// speaks nothing else), while another route of the same site gets h2c.
+func TestForceHTTP1Route(t *testing.T) {
+	c := startCaddy(t, `http://:{HTTP} {
+	sluice {
+		transport sluice {
+			versions h2c
+		}
+	}
+}`)
+	// httptest's server speaks HTTP/1.1 only: an h2c preface fails there.
+	h1 := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "h1-only upstream: proto=%s", r.Proto)
+	}))
+	t.Cleanup(h1.Close)
+	both := startUpstream(t, "both")
+	startAgent(t, c.serverURL(), "agent-h1",
+		agent.Upstream{Host: "old.test", Target: h1.URL, ForceHTTP1: true},
+		agent.Upstream{Host: "new.test", Target: both})
+	for range 3 { // pooled connections keep their protocol too
+		if code, body := get(t, c, "old.test", "/"); code != 200 || body != "h1-only upstream: proto=HTTP/1.1" {
+			t.Fatalf("force_http1 route: %d %q", code, body)
+		}
+		if code, body := get(t, c, "new.test", "/"); code != 200 || !strings.Contains(body, "proto=HTTP/2.0") {
+			t.Fatalf("h2c route: %d %q", code, body)
+		}
 	}
 }
 
