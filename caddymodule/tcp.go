@@ -4,7 +4,6 @@ import (
 	"errors"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -92,45 +91,39 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		res := tunnelcore.Relay(client, up)
 		return res.Err
 	}
-	w := newIdleWatch(idle)
-	a, b := w.wrap(client), w.wrap(up)
-	stop := w.start(func() {
+	stop := watchIdle(up, idle, func() {
 		n.log().Debug("closing idle TCP relay", zap.String("route", info.RouteKey), zap.Duration("idle", idle))
 		client.Close()
 		up.Close()
 	})
 	defer stop()
-	res := tunnelcore.Relay(a, b)
+	res := tunnelcore.Relay(client, up)
 	return res.Err
 }
 
-// idleWatch closes a relay that moved no byte either way for a while.
-type idleWatch struct {
-	timeout time.Duration
-	last    atomic.Int64 // unix nanos of the last byte
-}
-
-func newIdleWatch(d time.Duration) *idleWatch {
-	w := &idleWatch{timeout: d}
-	w.touch()
-	return w
-}
-
-func (w *idleWatch) touch() { w.last.Store(time.Now().UnixNano()) }
-
-// start checks for idleness until the returned stop is called.
-func (w *idleWatch) start(onIdle func()) (stop func()) {
+// watchIdle calls onIdle once the virtual connection of a relay has moved
+// no byte either way for timeout, polling its counters every timeout/4, and
+// stops when the returned stop is called. Every relayed byte, in either
+// direction, passes through the virtual connection, so its counters see
+// all activity without wrapping either side (a wrapper would hide the
+// connections' ReadFrom/WriteTo fast paths).
+func watchIdle(c *tunnelcore.Conn, timeout time.Duration, onIdle func()) (stop func()) {
 	done := make(chan struct{})
 	var once sync.Once
+	r, w := c.Counts()
+	last, lastMove := r+w, time.Now()
 	go func() {
-		tick := time.NewTicker(max(w.timeout/4, 10*time.Millisecond))
+		tick := time.NewTicker(max(timeout/4, 10*time.Millisecond))
 		defer tick.Stop()
 		for {
 			select {
 			case <-done:
 				return
-			case <-tick.C:
-				if time.Since(time.Unix(0, w.last.Load())) >= w.timeout {
+			case now := <-tick.C:
+				r, w := c.Counts()
+				if moved := r + w; moved != last {
+					last, lastMove = moved, now
+				} else if now.Sub(lastMove) >= timeout {
 					onIdle()
 					return
 				}
@@ -138,39 +131,4 @@ func (w *idleWatch) start(onIdle func()) (stop func()) {
 		}
 	}()
 	return func() { once.Do(func() { close(done) }) }
-}
-
-func (w *idleWatch) wrap(c net.Conn) net.Conn { return &idleConn{Conn: c, w: w} }
-
-// idleConn records activity on each read and write. It keeps CloseWrite so
-// the relay can still half-close.
-type idleConn struct {
-	net.Conn
-	w *idleWatch
-}
-
-func (c *idleConn) Read(p []byte) (int, error) {
-	n, err := c.Conn.Read(p)
-	if n > 0 {
-		c.w.touch()
-	}
-	return n, err
-}
-
-func (c *idleConn) Write(p []byte) (int, error) {
-	n, err := c.Conn.Write(p)
-	if n > 0 {
-		c.w.touch()
-	}
-	return n, err
-}
-
-// CloseWrite half-closes the wrapped connection. One that cannot half-close
-// reports it, so the relay ends both directions (as it does unwrapped)
-// rather than go on copying into a connection closed under it.
-func (c *idleConn) CloseWrite() error {
-	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
-		return cw.CloseWrite()
-	}
-	return errors.New("connection cannot half-close")
 }

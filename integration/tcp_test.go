@@ -724,20 +724,6 @@ func TestVerbatimIdleTimeout(t *testing.T) {
 	c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(port, port)}, "")
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{ListenPort: port, Target: tcpTarget(echo), VerbatimIdleTimeout: 300 * time.Millisecond})
 
-	exchange := func(conn net.Conn, msg string) error {
-		conn.SetDeadline(time.Now().Add(5 * time.Second))
-		if _, err := io.WriteString(conn, msg); err != nil {
-			return err
-		}
-		got := make([]byte, len(msg))
-		if _, err := io.ReadFull(conn, got); err != nil {
-			return err
-		}
-		if string(got) != msg {
-			return fmt.Errorf("echo %q, want %q", got, msg)
-		}
-		return nil
-	}
 	idle, err := net.DialTimeout("tcp", loopback(port), 5*time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -748,20 +734,20 @@ func TestVerbatimIdleTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer busy.Close()
-	if err := exchange(idle, "first"); err != nil {
+	if err := echoOn(idle, "first"); err != nil {
 		t.Fatal(err)
 	}
 
 	busyErr := make(chan error, 1)
 	go func() {
 		for i := range 10 {
-			if err := exchange(busy, fmt.Sprintf("tick %d", i)); err != nil {
+			if err := echoOn(busy, fmt.Sprintf("tick %d", i)); err != nil {
 				busyErr <- fmt.Errorf("tick %d: %w", i, err)
 				return
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
-		busyErr <- exchange(busy, "last")
+		busyErr <- echoOn(busy, "last")
 	}()
 
 	start := time.Now()

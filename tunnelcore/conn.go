@@ -45,6 +45,10 @@ type Conn struct {
 	// decremented by the sender, which does not take mu.
 	queued atomic.Int64
 
+	// bytesRead and bytesWritten count payload taken by the reader and
+	// handed to the sender (Counts).
+	bytesRead, bytesWritten atomic.Int64
+
 	mu sync.Mutex
 	// receive direction
 	rq       fifo[mem.Buffer]
@@ -192,6 +196,7 @@ func (c *Conn) copyOutLocked(p []byte) int {
 
 // consumeLocked accounts bytes the reader took and returns the credit to grant.
 func (c *Conn) consumeLocked(n int64) int64 {
+	c.bytesRead.Add(n)
 	c.lastConsume = time.Now()
 	c.reclaimed = false
 	c.buffered -= n
@@ -659,6 +664,14 @@ func (c *Conn) onSessionEnd(err error) {
 	c.rwin.release(c.s.cfg.Budget)
 	c.mu.Unlock()
 	c.wake()
+}
+
+// Counts returns the payload bytes read from and written to the
+// connection so far. It is cheap enough to poll, which is how a relay can
+// watch for idleness without wrapping the connection (and losing its
+// ReadFrom/WriteTo fast paths).
+func (c *Conn) Counts() (read, written int64) {
+	return c.bytesRead.Load(), c.bytesWritten.Load()
 }
 
 // Buffered returns the bytes received and not yet read.

@@ -52,6 +52,7 @@ func (s *Session) sendConnFrame(c *Conn, f *tunnelpb.Frame) {
 }
 
 func (s *Session) sendData(c *Conn, b mem.Buffer) {
+	c.bytesWritten.Add(int64(b.Len()))
 	s.sender.enqueue(c, &tunnelpb.Envelope{ConnID: c.id, Payload: mem.BufferSlice{b}})
 }
 
