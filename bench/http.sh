@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# bench/http.sh: one run, one load, three paths to the same sample upstream:
+# bench/http.sh: one run, one load, four paths to the same sample upstream:
 #
 #   direct  curl/wrk -> upstream
 #   caddy   curl/wrk -> Caddy reverse_proxy -> upstream   (ceiling of any HTTP path in Caddy)
+#   hop     curl/wrk -> Caddy reverse_proxy -> bench/tcprelay -> upstream
+#           (what one more process on the path costs by itself: the floor of any tunnel)
 #   sluice  curl/wrk -> Caddy `sluice` -> gRPC stream -> sluice-agent -> upstream
 #
-# and prints a table with sluice/caddy and sluice/direct ratios plus the
+# and prints a table with sluice/caddy, sluice/hop and sluice/direct ratios plus the
 # performance targets (informational: the exit status is non-zero only when
 # the setup fails, never because a target is missed).
 #
@@ -35,17 +37,19 @@ build_binaries
 
 # ---------------------------------------------------------------- processes
 
-free_ports UP_PORT CONTROL_PORT PROXY_PORT SLUICE_PORT
+free_ports UP_PORT CONTROL_PORT PROXY_PORT SLUICE_PORT HOP_PORT RELAY_PORT
 
-paths=(direct caddy sluice)
+paths=(direct caddy hop sluice)
 declare -A URL=(
 	[direct]=http://127.0.0.1:$UP_PORT
 	[caddy]=http://127.0.0.1:$PROXY_PORT
+	[hop]=http://127.0.0.1:$HOP_PORT
 	[sluice]=http://127.0.0.1:$SLUICE_PORT
 )
-declare -A VIA=([caddy]=caddy [sluice]="caddy agent")
+declare -A VIA=([caddy]=caddy [hop]="caddy relay" [sluice]="caddy agent")
 
 start_upstream "127.0.0.1:$UP_PORT"
+start_relay "127.0.0.1:$RELAY_PORT" "127.0.0.1:$UP_PORT"
 
 cat >"$tmp/Caddyfile" <<EOF
 {
@@ -78,6 +82,12 @@ http://:$PROXY_PORT {
 	reverse_proxy 127.0.0.1:$UP_PORT
 }
 
+# (hop) the ceiling plus one bare relay process: what any tunnel pays at least
+http://:$HOP_PORT {
+	bind 127.0.0.1
+	reverse_proxy 127.0.0.1:$RELAY_PORT
+}
+
 # (c) the tunnel: the agent serving app.test
 http://:$SLUICE_PORT {
 	bind 127.0.0.1
@@ -88,11 +98,12 @@ start_caddy
 
 wait_ok upstream "${URL[direct]}/" "$UP_PID"
 wait_ok caddy "${URL[caddy]}/" "$CADDY_PID"
+wait_ok "relay (via caddy)" "${URL[hop]}/" "$RELAY_PID"
 
 start_agent -upstream "host=$HOST,target=${URL[direct]}"
 
 wait_ok "sluice-agent (via caddy)" "${URL[sluice]}/" "$AGENT_PID"
-log "ready: upstream :$UP_PORT, caddy reverse_proxy :$PROXY_PORT, caddy sluice :$SLUICE_PORT, control :$CONTROL_PORT"
+log "ready: upstream :$UP_PORT, caddy reverse_proxy :$PROXY_PORT, via relay :$HOP_PORT, caddy sluice :$SLUICE_PORT, control :$CONTROL_PORT"
 
 # cpu_other KEY PATH (for cpu_stop): busy time of the machine not spent in
 # this bench's processes or clients
@@ -100,6 +111,7 @@ cpu_other() {
 	local ours="(${now[2]} - ${cpu0[2]}) + (${now[3]} - ${cpu0[3]})"
 	[ "$2" = direct ] || ours+=" + (${now[0]} - ${cpu0[0]})"
 	[ "$2" != sluice ] || ours+=" + (${now[1]} - ${cpu0[1]})"
+	[ "$2" != hop ] || ours+=" + (${now[4]} - ${cpu0[4]})"
 	R[${1}_other,$2]=$(calc %.0f "100 * (($busy - $busy0) - ($ours)) / ($total - $total0 + 1)")
 }
 
@@ -152,13 +164,13 @@ each_path ttfb
 
 # ---------------------------------------------------------------- report
 
-FMT='%-36s | %10s | %10s | %10s | %12s | %13s\n'
-SEP="-------------------------------------+------------+------------+------------+--------------+--------------"
-COLUMNS=(direct caddy sluice sluice/caddy sluice/direct)
+FMT='%-36s | %9s | %9s | %9s | %9s | %12s | %10s | %13s\n'
+SEP="-------------------------------------+-----------+-----------+-----------+-----------+--------------+------------+--------------"
+COLUMNS=(direct caddy hop sluice sluice/caddy sluice/hop sluice/direct)
 BASE=caddy
 
 report_header HTTP "host header $HOST; every process on this machine shares its CPUs (clients included)"
-printf "$FMT" metric direct caddy sluice sluice/caddy sluice/direct
+printf "$FMT" metric direct caddy hop sluice sluice/caddy sluice/hop sluice/direct
 sep
 row single "1x $((SINGLE_SIZE >> 20)) MiB download, MB/s"
 row parallel "${PAR_N}x $((PAR_SIZE >> 20)) MiB aggregate, MB/s"
@@ -169,7 +181,8 @@ rows_cpu cpu_small "small GET" us/req
 echo
 echo "idle connections: N=$IDLE_N; $RSS_NOTE"
 echo "CPU = utime+stime from /proc/<pid>/stat over the load (GB = 10^9 bytes); busy % = all CPUs (/proc/stat);"
-echo "other processes = busy time not spent in caddy, agent, upstream or the curl/wrk clients (another load on the machine skews every number)"
+echo "other processes = busy time not spent in caddy, agent, relay, upstream or the curl/wrk clients (another load on the machine skews every number)"
+echo "hop = caddy reverse_proxy -> bench/tcprelay (a bare 256 KiB read/write loop each way) -> upstream: the cost of one more process on the path alone"
 echo "MB = 10^6 bytes; wrk -t2 -c64 -d$WRK_DURATION --latency; TTFB = curl time_starttransfer"
 
 echo
@@ -177,6 +190,10 @@ echo "targets (sluice/caddy; informational):"
 target "bulk: single download" single 0.7 sluice
 target "bulk: ${PAR_N}x parallel downloads" parallel 0.7 sluice
 target "small requests/s" rps 0.8 sluice
+echo "reference (hop/caddy: what one more process costs by itself on this machine):"
+printf '  %-44s %s\n' "bulk: single download" "$(ratio "${R[single,hop]:-}" "${R[single,caddy]:-}")"
+printf '  %-44s %s\n' "bulk: ${PAR_N}x parallel downloads" "$(ratio "${R[parallel,hop]:-}" "${R[parallel,caddy]:-}")"
+printf '  %-44s %s\n' "small requests/s" "$(ratio "${R[rps,hop]:-}" "${R[rps,caddy]:-}")"
 
 report_warnings
 exit 0

@@ -106,6 +106,7 @@ build_binaries() {
 	go build -o "$tmp/upstream" ./demo/upstream >>"$tmp/build.log" 2>&1 || die "go build demo/upstream"
 	go build -o "$tmp/idleconns" ./bench/idleconns >>"$tmp/build.log" 2>&1 || die "go build bench/idleconns"
 	go build -o "$tmp/freeports" ./bench/freeports >>"$tmp/build.log" 2>&1 || die "go build bench/freeports"
+	go build -o "$tmp/tcprelay" ./bench/tcprelay >>"$tmp/build.log" 2>&1 || die "go build bench/tcprelay"
 }
 
 # ---------------------------------------------------------------- processes
@@ -137,6 +138,14 @@ start_upstream() {
 	"$tmp/upstream" -listen "$1" -name bench >"$tmp/upstream.log" 2>&1 &
 	UP_PID=$!
 	pids+=("$UP_PID")
+}
+
+# start_relay LISTEN TO: bench/tcprelay from LISTEN to TO (the "one more
+# hop" reference path); sets RELAY_PID.
+start_relay() {
+	"$tmp/tcprelay" -listen "$1" -to "$2" >"$tmp/relay.log" 2>&1 &
+	RELAY_PID=$!
+	pids+=("$RELAY_PID")
 }
 
 # start_caddy: runs $CADDY with $tmp/Caddyfile (storage in $tmp/storage); sets CADDY_PID.
@@ -181,9 +190,12 @@ to_ms() {
 
 rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status"; }
 
-# CPU accounting: utime+stime (clock ticks) of Caddy, the agent and the upstream.
+# CPU accounting: utime+stime (clock ticks) of Caddy, the agent, the
+# upstream and the relay (0 when the script runs none).
 CLK_TCK=$(getconf CLK_TCK)
-cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+cpu_ticks() {
+	if [ -z "$1" ]; then echo 0; else awk '{ print $14 + $15 }' "/proc/$1/stat"; fi
+}
 # machine_ticks: "busy total irq" clock ticks of all CPUs (/proc/stat); irq =
 # hardirq + softirq time, which the kernel charges to no process (with this
 # much loopback traffic, mostly the network stack's softirqs).
@@ -191,7 +203,7 @@ machine_ticks() { awk '$1 == "cpu" { t = 0; for (i = 2; i <= NF; i++) t += $i; p
 # children_ticks: CPU of this script's finished children (curl, wrk): cutime+cstime.
 children_ticks() { awk '{ print $16 + $17 }' "/proc/$$/stat"; }
 cpu_start() {
-	cpu0=("$(cpu_ticks "$CADDY_PID")" "$(cpu_ticks "$AGENT_PID")" "$(cpu_ticks "$UP_PID")" "$(children_ticks)")
+	cpu0=("$(cpu_ticks "$CADDY_PID")" "$(cpu_ticks "$AGENT_PID")" "$(cpu_ticks "$UP_PID")" "$(children_ticks)" "$(cpu_ticks "${RELAY_PID:-}")")
 	read -r busy0 total0 irq0 < <(machine_ticks)
 }
 # cpu_stop KEY PATH UNITS SCALE: R[KEY_<process>,PATH] = CPU seconds / UNITS * SCALE
@@ -199,7 +211,7 @@ cpu_start() {
 # and what the script's cpu_other adds (it sees now, busy, total and irq).
 cpu_stop() {
 	local key=$1 p=$2 units=$3 scale=$4 now busy total irq proc
-	now=("$(cpu_ticks "$CADDY_PID")" "$(cpu_ticks "$AGENT_PID")" "$(cpu_ticks "$UP_PID")" "$(children_ticks)")
+	now=("$(cpu_ticks "$CADDY_PID")" "$(cpu_ticks "$AGENT_PID")" "$(cpu_ticks "$UP_PID")" "$(children_ticks)" "$(cpu_ticks "${RELAY_PID:-}")")
 	read -r busy total irq < <(machine_ticks)
 	R[${key}_busy,$p]=$(calc %.0f "100 * ($busy - $busy0) / ($total - $total0 + 1)")
 	cpu_other "$key" "$p"
@@ -208,6 +220,7 @@ cpu_stop() {
 		case $proc in
 		caddy) cpu_set caddy 0 ;;
 		agent) cpu_set agent 1 ;;
+		relay) cpu_set relay 4 ;;
 		esac
 	done
 	cpu_set upstream 2
@@ -377,6 +390,7 @@ rows_requests() {
 rows_cpu() {
 	row "${1}_caddy" "$2: Caddy CPU $3"
 	row "${1}_agent" "$2: agent CPU $3"
+	[ -z "${RELAY_PID:-}" ] || row "${1}_relay" "$2: relay CPU $3"
 	row "${1}_upstream" "$2: upstream CPU $3"
 	row "${1}_busy" "$2: machine CPU busy %" noratio
 	[ -z "${CPU_IRQ:-}" ] || row "${1}_irq" "$2: irq+softirq CPU %" noratio

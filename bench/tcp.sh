@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# bench/tcp.sh: one run, one load, the raw TCP path four ways to the same
+# bench/tcp.sh: one run, one load, the raw TCP path five ways to the same
 # sample upstream (an HTTP server, so HTTP loads run over the TCP relays):
 #
 #   direct  curl/wrk -> upstream
 #   l4      curl/wrk -> caddy-l4 `proxy` -> upstream         (ceiling of any TCP path in Caddy)
+#   hop     curl/wrk -> caddy-l4 `proxy` -> bench/tcprelay -> upstream
+#           (what one more process on the path costs by itself: the floor of any tunnel)
 #   sluice  curl/wrk -> caddy-l4 `sluice bench` -> gRPC stream -> sluice-agent -> upstream
 #   port    curl/wrk -> port claimed by the agent (tcp_port_range) -> gRPC stream -> agent -> upstream
 #
-# and prints a table with sluice/l4, sluice/direct and port/l4 ratios plus
+# and prints a table with sluice/l4, sluice/hop, sluice/direct and port/l4 ratios plus
 # the performance targets (informational: the exit status is non-zero only
 # when the setup fails, never because a target is missed).
 #
@@ -37,20 +39,22 @@ build_binaries
 
 # ---------------------------------------------------------------- processes
 
-free_ports UP_PORT CONTROL_PORT L4_PORT SLUICE_PORT CLAIM_PORT
+free_ports UP_PORT CONTROL_PORT L4_PORT SLUICE_PORT CLAIM_PORT HOP_PORT RELAY_PORT
 
-paths=(direct l4 sluice port)
+paths=(direct l4 hop sluice port)
 declare -A ADDR=(
 	[direct]=127.0.0.1:$UP_PORT
 	[l4]=127.0.0.1:$L4_PORT
+	[hop]=127.0.0.1:$HOP_PORT
 	[sluice]=127.0.0.1:$SLUICE_PORT
 	[port]=127.0.0.1:$CLAIM_PORT
 )
 declare -A URL
 for p in "${paths[@]}"; do URL[$p]=http://${ADDR[$p]}; done
-declare -A VIA=([l4]=caddy [sluice]="caddy agent" [port]="caddy agent")
+declare -A VIA=([l4]=caddy [hop]="caddy relay" [sluice]="caddy agent" [port]="caddy agent")
 
 start_upstream "${ADDR[direct]}"
+start_relay "127.0.0.1:$RELAY_PORT" "${ADDR[direct]}"
 
 cat >"$tmp/Caddyfile" <<EOF
 {
@@ -76,6 +80,12 @@ cat >"$tmp/Caddyfile" <<EOF
 				proxy 127.0.0.1:$UP_PORT
 			}
 		}
+		# (hop) the ceiling plus one bare relay process: what any tunnel pays at least
+		127.0.0.1:$HOP_PORT {
+			route {
+				proxy 127.0.0.1:$RELAY_PORT
+			}
+		}
 		# (c) the tunnel: the agent route named $ROUTE
 		127.0.0.1:$SLUICE_PORT {
 			route {
@@ -89,20 +99,21 @@ start_caddy
 
 wait_ok upstream "${URL[direct]}/" "$UP_PID"
 wait_ok "caddy (l4 proxy)" "${URL[l4]}/" "$CADDY_PID"
+wait_ok "relay (via l4 proxy)" "${URL[hop]}/" "$RELAY_PID"
 
 start_agent -upstream "name=$ROUTE,target=tcp://${ADDR[direct]}" \
 	-upstream "listen_port=$CLAIM_PORT,target=tcp://${ADDR[direct]}"
 
 wait_ok "sluice-agent (via caddy-l4 sluice)" "${URL[sluice]}/" "$AGENT_PID"
 wait_ok "sluice-agent (via claimed port)" "${URL[port]}/" "$AGENT_PID"
-log "ready: upstream :$UP_PORT, l4 proxy :$L4_PORT, l4 sluice :$SLUICE_PORT, claimed port :$CLAIM_PORT, control :$CONTROL_PORT"
+log "ready: upstream :$UP_PORT, l4 proxy :$L4_PORT, via relay :$HOP_PORT, l4 sluice :$SLUICE_PORT, claimed port :$CLAIM_PORT, control :$CONTROL_PORT"
 
 # cpu_other KEY PATH (for cpu_stop): R[KEY_irq,PATH] and the busy time of the
 # machine not spent in this bench's processes, its clients or interrupts
 # (clamped at 0: a client's ticks land at its exit)
 cpu_other() {
 	R[${1}_irq,$2]=$(calc %.0f "100 * ($irq - $irq0) / ($total - $total0 + 1)")
-	local ours="(${now[0]} - ${cpu0[0]}) + (${now[1]} - ${cpu0[1]}) + (${now[2]} - ${cpu0[2]}) + (${now[3]} - ${cpu0[3]}) + ($irq - $irq0)"
+	local ours="(${now[0]} - ${cpu0[0]}) + (${now[1]} - ${cpu0[1]}) + (${now[2]} - ${cpu0[2]}) + (${now[3]} - ${cpu0[3]}) + (${now[4]} - ${cpu0[4]}) + ($irq - $irq0)"
 	R[${1}_other,$2]=$(calc %.0f "100 * ((o = ($busy - $busy0) - ($ours)) > 0 ? o : 0) / ($total - $total0 + 1)")
 }
 
@@ -134,14 +145,14 @@ each_path ttfb
 
 # ---------------------------------------------------------------- report
 
-FMT='%-36s | %9s | %9s | %9s | %9s | %13s | %9s | %7s\n'
-SEP="-------------------------------------+-----------+-----------+-----------+-----------+---------------+-----------+--------"
-COLUMNS=(direct l4 sluice sluice/l4 sluice/direct port port/l4)
+FMT='%-36s | %9s | %9s | %9s | %9s | %9s | %10s | %13s | %9s | %7s\n'
+SEP="-------------------------------------+-----------+-----------+-----------+-----------+-----------+------------+---------------+-----------+--------"
+COLUMNS=(direct l4 hop sluice sluice/l4 sluice/hop sluice/direct port port/l4)
 BASE=l4
 CPU_IRQ=1
 
 report_header TCP "HTTP/1.1 (Host $HOST) over raw TCP relays; every process on this machine shares its CPUs (clients included)"
-printf "$FMT" metric direct "l4 proxy" sluice sluice/l4 sluice/direct "(d) port" port/l4
+printf "$FMT" metric direct "l4 proxy" hop sluice sluice/l4 sluice/hop sluice/direct "(d) port" port/l4
 sep
 row single "1x $((SINGLE_SIZE >> 20)) MiB download, MB/s"
 rows_requests
@@ -149,12 +160,13 @@ sep
 rows_cpu cpu_single "1x download" s/GB
 rows_cpu cpu_small "small GET" us/req
 echo
-echo "columns: l4 proxy = caddy-l4 proxy; sluice = caddy-l4 'sluice $ROUTE' (named agent route);"
+echo "columns: l4 proxy = caddy-l4 proxy; hop = caddy-l4 proxy -> bench/tcprelay (a bare 256 KiB read/write loop each way)"
+echo "-> upstream, the cost of one more process on the path alone; sluice = caddy-l4 'sluice $ROUTE' (named agent route);"
 echo "(d) port = sluice listen-port route: port $CLAIM_PORT claimed by the agent (listen_port, tcp_port_range) in the sluice app"
 echo "idle connections: N=$IDLE_N per path, held together; $RSS_NOTE"
 echo "CPU = utime+stime from /proc/<pid>/stat over the load (GB = 10^9 bytes); busy %, irq+softirq % = all CPUs (/proc/stat;"
 echo "irq+softirq is mostly loopback packet processing, charged to no process); other processes = busy time not spent in"
-echo "caddy, agent, upstream, the curl/wrk clients or interrupts (another load on the machine skews every number)"
+echo "caddy, agent, relay, upstream, the curl/wrk clients or interrupts (another load on the machine skews every number)"
 echo "MB = 10^6 bytes; wrk -t2 -c64 -d$WRK_DURATION --latency; TTFB = curl time_starttransfer"
 
 echo
@@ -163,6 +175,9 @@ target "bulk: single download MB/s" single 0.6 sluice
 target "small requests/s" rps 0.6 sluice
 target "(d) port route: bulk, single download MB/s" single 0.6 port
 target "(d) port route: small requests/s" rps 0.6 port
+echo "reference (hop/l4: what one more process costs by itself on this machine):"
+printf '  %-44s %s\n' "bulk: single download MB/s" "$(ratio "${R[single,hop]:-}" "${R[single,l4]:-}")"
+printf '  %-44s %s\n' "small requests/s" "$(ratio "${R[rps,hop]:-}" "${R[rps,l4]:-}")"
 
 report_warnings
 exit 0
