@@ -24,6 +24,9 @@ else
 	IDLE_N=500
 fi
 TTFB_RUNS=20
+# BENCH_GOMAXPROCS=N runs Caddy and the agent (not the upstream, the relay
+# or the clients) with GOMAXPROCS=N, every path alike.
+PROCS_ENV=${BENCH_GOMAXPROCS:+GOMAXPROCS=$BENCH_GOMAXPROCS}
 HOST=app.test
 TOKEN=bench
 READY_TIMEOUT=30 # seconds, per component
@@ -151,7 +154,7 @@ start_relay() {
 # start_caddy: runs $CADDY with $tmp/Caddyfile (storage in $tmp/storage); sets CADDY_PID.
 start_caddy() {
 	mkdir -p "$tmp/storage" "$tmp/xdg-data" "$tmp/xdg-config"
-	XDG_DATA_HOME=$tmp/xdg-data XDG_CONFIG_HOME=$tmp/xdg-config \
+	env XDG_DATA_HOME="$tmp/xdg-data" XDG_CONFIG_HOME="$tmp/xdg-config" $PROCS_ENV \
 		"$CADDY" run --config "$tmp/Caddyfile" --adapter caddyfile >"$tmp/caddy.log" 2>&1 &
 	CADDY_PID=$!
 	pids+=("$CADDY_PID")
@@ -160,7 +163,7 @@ start_caddy() {
 # start_agent ARG...: sluice-agent on the control port with these extra
 # arguments (its -upstream flags); sets AGENT_PID.
 start_agent() {
-	"$tmp/sluice-agent" -server "grpc://127.0.0.1:$CONTROL_PORT" -token "$TOKEN" -id bench -log-level error \
+	env $PROCS_ENV "$tmp/sluice-agent" -server "grpc://127.0.0.1:$CONTROL_PORT" -token "$TOKEN" -id bench -log-level error \
 		"$@" >"$tmp/agent.log" 2>&1 &
 	AGENT_PID=$!
 	pids+=("$AGENT_PID")
@@ -355,6 +358,7 @@ report_header() {
 	echo
 	echo "sluice $1 bench ($MODE): $(nproc) CPUs, $(go env GOVERSION), caddy $caddy_version, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 	echo "$2"
+	[ -z "$PROCS_ENV" ] || echo "Caddy and the agent ran with $PROCS_ENV (BENCH_GOMAXPROCS)"
 	echo "load average before the loads: $LOAD_BEFORE; after: $(cut -d' ' -f1-3 /proc/loadavg)"
 	echo
 }
