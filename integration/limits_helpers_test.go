@@ -143,8 +143,8 @@ func limEchoServer(t testing.TB) int {
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
-// limEcho writes msg on c and reads it back within d.
-func limEcho(c net.Conn, msg string, d time.Duration) error {
+// echoWithin writes msg on c (to an echo upstream) and reads it back within d.
+func echoWithin(c net.Conn, msg string, d time.Duration) error {
 	c.SetDeadline(time.Now().Add(d))
 	defer c.SetDeadline(time.Time{})
 	if _, err := io.WriteString(c, msg); err != nil {
@@ -320,5 +320,5 @@ func limDialEcho(addr string) error {
 		return err
 	}
 	defer conn.Close()
-	return limEcho(conn, "ping", 2*time.Second)
+	return echoWithin(conn, "ping", 2*time.Second)
 }

@@ -422,7 +422,7 @@ func TestDrainOnShutdown(t *testing.T) {
 		if err != nil {
 			return false
 		}
-		if limEcho(conn, "before", 2*time.Second) != nil {
+		if echoWithin(conn, "before", 2*time.Second) != nil {
 			conn.Close()
 			return false
 		}
@@ -493,7 +493,7 @@ func TestDrainOnShutdown(t *testing.T) {
 		t.Fatalf("agent stream during the drain: ended %v, %s; want Unavailable \"node is draining\"", ok, limStatus(e.err))
 	}
 	// The relay in flight keeps working during the drain, which waits for it.
-	if err := limEcho(relay, "during the drain", 2*time.Second); err != nil {
+	if err := echoWithin(relay, "during the drain", 2*time.Second); err != nil {
 		t.Fatalf("relay during the drain: %v", err)
 	}
 	select {

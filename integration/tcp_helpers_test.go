@@ -367,21 +367,3 @@ func portFree(addr string) bool {
 	ln.Close()
 	return true
 }
-
-// echoOn writes msg on an open connection to an echo upstream and checks
-// that it comes back.
-func echoOn(c net.Conn, msg string) error {
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	defer c.SetDeadline(time.Time{})
-	if _, err := io.WriteString(c, msg); err != nil {
-		return err
-	}
-	buf := make([]byte, len(msg))
-	if _, err := io.ReadFull(c, buf); err != nil {
-		return err
-	}
-	if string(buf) != msg {
-		return fmt.Errorf("echoed %q, want %q", buf, msg)
-	}
-	return nil
-}

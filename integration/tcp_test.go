@@ -398,7 +398,7 @@ func TestPortClaims(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer held.Close()
-	if err := echoOn(held, "before"); err != nil {
+	if err := echoWithin(held, "before", 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	rejections := logs.FilterMessage("route rejected by node").Len()
@@ -407,7 +407,7 @@ func TestPortClaims(t *testing.T) {
 	eventually(t, 5*time.Second, "the agent logs the new rejection", func() bool {
 		return logs.FilterMessage("route rejected by node").Len() > rejections
 	})
-	if err := echoOn(held, "after"); err != nil {
+	if err := echoWithin(held, "after", 5*time.Second); err != nil {
 		t.Fatalf("a connection relayed before the reload: %v", err)
 	}
 	// Widened again: bound again without waiting for the agent's backoff.
@@ -734,20 +734,20 @@ func TestVerbatimIdleTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer busy.Close()
-	if err := echoOn(idle, "first"); err != nil {
+	if err := echoWithin(idle, "first", 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 
 	busyErr := make(chan error, 1)
 	go func() {
 		for i := range 10 {
-			if err := echoOn(busy, fmt.Sprintf("tick %d", i)); err != nil {
+			if err := echoWithin(busy, fmt.Sprintf("tick %d", i), 5*time.Second); err != nil {
 				busyErr <- fmt.Errorf("tick %d: %w", i, err)
 				return
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
-		busyErr <- echoOn(busy, "last")
+		busyErr <- echoWithin(busy, "last", 5*time.Second)
 	}()
 
 	start := time.Now()
