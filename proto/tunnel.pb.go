@@ -40,7 +40,8 @@ const (
 	Error_FLOW_CONTROL Error_Code = 5
 	// A malformed or unexpected frame.
 	Error_PROTOCOL Error_Code = 6
-	// An idle or deadline timeout ended the connection.
+	// Reserved for idle or deadline timeouts; sluice does not send it (an
+	// idle relay is closed, not aborted).
 	Error_TIMEOUT  Error_Code = 7
 	Error_INTERNAL Error_Code = 8
 )
@@ -384,8 +385,10 @@ type Route struct {
 	// The route takes raw TLS connections routed by SNI (the upstream
 	// terminates TLS itself).
 	TlsPassthrough bool `protobuf:"varint,5,opt,name=tls_passthrough,json=tlsPassthrough,proto3" json:"tls_passthrough,omitempty"`
-	// The node binds this TCP port and relays every connection to it verbatim.
-	// A listen-port route never takes part in host or SNI routing.
+	// TCP port whose connections the node relays verbatim to this route. The
+	// node binds it when it lies within its tcp_port_range; without a range,
+	// a layer4 server of the node's config routes by it. A listen-port route
+	// never takes part in host or SNI routing.
 	ListenPort uint32 `protobuf:"varint,6,opt,name=listen_port,json=listenPort,proto3" json:"listen_port,omitempty"`
 	// Client addresses (CIDR) allowed on this route; empty allows all.
 	AllowedCidrs []string `protobuf:"bytes,7,rep,name=allowed_cidrs,json=allowedCidrs,proto3" json:"allowed_cidrs,omitempty"`
@@ -395,7 +398,7 @@ type Route struct {
 	// 0 keeps the node's default.
 	VerbatimIdleTimeoutMs uint32 `protobuf:"varint,9,opt,name=verbatim_idle_timeout_ms,json=verbatimIdleTimeoutMs,proto3" json:"verbatim_idle_timeout_ms,omitempty"`
 	// Stable name of the route, used as route_key in Connect. Defaults to the
-	// host, host pattern or ":<listen_port>".
+	// host, host pattern or ":<listen_port>", else "*" (the catch-all).
 	Name          string `protobuf:"bytes,10,opt,name=name,proto3" json:"name,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -685,7 +688,8 @@ type Connect struct {
 	RouteKey string `protobuf:"bytes,2,opt,name=route_key,json=routeKey,proto3" json:"route_key,omitempty"`
 	// The public client's address, host:port.
 	RemoteAddr string `protobuf:"bytes,3,opt,name=remote_addr,json=remoteAddr,proto3" json:"remote_addr,omitempty"`
-	// SNI of a TLS passthrough connection.
+	// TLS server name (SNI) the client sent, when the node saw one: TLS
+	// passthrough, HTTPS requests and TCP whose TLS the node terminated.
 	ServerName string `protobuf:"bytes,4,opt,name=server_name,json=serverName,proto3" json:"server_name,omitempty"`
 	// Receive window the opener grants for this connection. At least 65536.
 	Window uint32 `protobuf:"varint,5,opt,name=window,proto3" json:"window,omitempty"`
@@ -1193,7 +1197,8 @@ func (x *NodeList) GetNodes() []*Node {
 type Node struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	// Control address an agent dials: grpc://host:port or grpcs://host:port.
+	// Control address an agent dials: grpc://host:port or grpcs://host:port;
+	// empty for the node that answered.
 	Url           string `protobuf:"bytes,2,opt,name=url,proto3" json:"url,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -37,8 +37,9 @@ type TunnelClient interface {
 	// both sides exchange connection frames until either ends the stream.
 	// Request metadata: `authorization: Bearer <token>`, `x-sluice-id: <agent id>`.
 	Connect(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[Frame, Frame], error)
-	// ListNodes returns the control addresses of the nodes of this cluster, so
-	// an agent can open one session per node.
+	// ListNodes returns the nodes of this cluster, so an agent can open one
+	// session per node. A node that knows no peers answers with itself alone
+	// and an empty url (the address the agent dialed).
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*NodeList, error)
 }
 
@@ -84,8 +85,9 @@ type TunnelServer interface {
 	// both sides exchange connection frames until either ends the stream.
 	// Request metadata: `authorization: Bearer <token>`, `x-sluice-id: <agent id>`.
 	Connect(grpc.BidiStreamingServer[Frame, Frame]) error
-	// ListNodes returns the control addresses of the nodes of this cluster, so
-	// an agent can open one session per node.
+	// ListNodes returns the nodes of this cluster, so an agent can open one
+	// session per node. A node that knows no peers answers with itself alone
+	// and an empty url (the address the agent dialed).
 	ListNodes(context.Context, *ListNodesRequest) (*NodeList, error)
 	mustEmbedUnimplementedTunnelServer()
 }
