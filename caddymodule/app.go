@@ -90,7 +90,10 @@ type App struct {
 	MaxConnectionsPerAddress int `json:"max_connections_per_address,omitempty"`
 
 	// TunnelBudget is what receive windows above 64 KiB may hold, across
-	// all agents. 0: an eighth of half the memory limit.
+	// all agents. One connection grows within its share of it (the budget
+	// over the connections holding part of it, plus one), so a few bulk
+	// transfers cannot take it whole. 0: an eighth of half the memory
+	// limit.
 	TunnelBudget int64 `json:"tunnel_budget,omitempty"`
 
 	// MaxSessions bounds the agent sessions; beyond it a new agent stream

@@ -58,7 +58,7 @@ func (w *recvWindow) decide(budget *Budget, maxWindow int64) {
 	switch {
 	case w.peerBlocked && w.readerWaited && w.size < maxWindow:
 		grow := min(w.size, maxWindow-w.size)
-		if budget.TryAcquire(grow) {
+		if budget.grow(w.charged, grow) {
 			w.size += grow
 			w.charged += grow
 		}
@@ -85,14 +85,14 @@ func (w *recvWindow) shrink(budget *Budget) {
 		return
 	}
 	give := min(w.size/2, w.charged)
+	budget.shrink(w.charged, give)
 	w.size -= give
 	w.charged -= give
-	budget.Release(give)
 }
 
 // release gives the whole budget charge back (the connection ended).
 func (w *recvWindow) release(budget *Budget) {
-	budget.Release(w.charged)
+	budget.shrink(w.charged, w.charged)
 	w.charged = 0
 }
 
@@ -105,7 +105,7 @@ func (w *recvWindow) reclaimed(released int64, budget *Budget) {
 	// Keep the charge for what is still held (buffered, or in flight
 	// against credit granted earlier); release the rest.
 	keep := max(0, min(w.charged, w.granted-w.consumed-InitialWindow))
-	budget.Release(w.charged - keep)
+	budget.shrink(w.charged, w.charged-keep)
 	w.charged = keep
 	w.size = InitialWindow + keep
 	w.sinceDecision = 0
