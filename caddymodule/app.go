@@ -124,6 +124,18 @@ type App struct {
 	portRange portRange
 	node      *node
 	logger    *zap.Logger
+
+	applied *nodeOptions // the options Start gave the node
+	prev    nodeSettings // what the node had before Start
+}
+
+// nodeSettings is what a config's Start hands the shared node, kept so a
+// rolled-back start can give the previous config's back.
+type nodeSettings struct {
+	token         *string
+	logger        *zap.Logger
+	budget, slots int64
+	opts          *nodeOptions
 }
 
 // CaddyModule returns the Caddy module information.
@@ -280,6 +292,10 @@ func (a *App) generatedToken() (string, error) {
 
 // Start hands this config's settings to the shared node.
 func (a *App) Start() error {
+	a.prev = nodeSettings{
+		token: a.node.token.Load(), logger: a.node.logger.Load(),
+		budget: a.node.budget.Limit(), slots: a.node.slots.Limit(),
+	}
 	a.node.token.Store(&a.token)
 	a.node.logger.Store(a.logger)
 	lim := tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
@@ -290,7 +306,7 @@ func (a *App) Start() error {
 		zap.Int64("connection_memory", lim.ConnMemory), zap.Int64("max_connections", lim.MaxConnections),
 		zap.Int("max_connections_per_address", a.MaxConnectionsPerAddress),
 		zap.Int("max_sessions", a.MaxSessions), zap.Int("max_pending_streams", a.MaxPendingStreams))
-	prev := a.node.opts.Swap(&nodeOptions{
+	a.applied = &nodeOptions{
 		maxConnsPerAddr:     a.MaxConnectionsPerAddress,
 		maxSessions:         a.MaxSessions,
 		maxSessionsPerAddr:  a.MaxSessionsPerAddress,
@@ -302,16 +318,37 @@ func (a *App) Start() error {
 		portRange:           a.portRange,
 		tcpBind:             a.TCPBind,
 		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
-	})
-	if prev.portRange != a.portRange || prev.tcpBind != a.TCPBind {
-		a.node.portOptionsChanged(prev.tcpBind != a.TCPBind)
 	}
+	a.prev.opts = a.node.opts.Swap(a.applied)
+	a.node.applyPortOptions(a.prev.opts, a.applied)
 	return nil
 }
 
 // Stop implements caddy.App. The node keeps running: the next config may
 // take it over; Cleanup releases this config's reference.
-func (a *App) Stop() error { return nil }
+//
+// When this config still owns the node's settings while another config
+// holds the node too, its start is being rolled back (another app of the
+// config failed to start) and the previous config goes on running: the
+// node gets that config's settings back, ports included.
+func (a *App) Stop() error {
+	if a.node == nil || a.applied == nil {
+		return nil
+	}
+	if refs, _ := nodePool.References(nodeKey(a.node.addr)); refs < 2 {
+		return nil // shutdown or unload: no config to hand back to
+	}
+	if !a.node.opts.CompareAndSwap(a.applied, a.prev.opts) {
+		return nil // a newer config took over (a normal reload)
+	}
+	a.node.token.Store(a.prev.token)
+	a.node.logger.Store(a.prev.logger)
+	a.node.budget.SetLimit(a.prev.budget)
+	a.node.slots.SetLimit(a.prev.slots)
+	a.node.applyPortOptions(a.applied, a.prev.opts)
+	a.logger.Info("sluice: start rolled back; the previous configuration's settings are back")
+	return nil
+}
 
 // Cleanup releases this config's reference to the node; the last one closes
 // the control plane.

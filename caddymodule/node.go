@@ -256,6 +256,9 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	streamCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	a := &agentSession{agentID: adv.GetAgentId(), remote: remote, build: adv.GetBuild(), connected: time.Now()}
+	// admitMu from before the session's receive loop starts: a second
+	// Advertise waits until the first is admitted and registered.
+	n.admitMu.Lock()
 	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(stream, cancel), tunnelcore.Config{
 		Role:         tunnelcore.RoleNode,
 		PeerWindow:   adv.GetInitialWindow(),
@@ -266,10 +269,10 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		OnControl:    func(f *tunnelpb.Frame) { n.onControl(a, f) },
 	})
 	if err != nil {
+		n.admitMu.Unlock()
 		return status.Error(codes.Internal, err.Error())
 	}
 	a.sess = sess
-	n.admitMu.Lock()
 	a.advertised = adv.GetRoutes()
 	entries, rejected := n.admit(a, a.advertised)
 	if old := n.reg.register(a, entries); old != nil {
@@ -287,11 +290,16 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	case <-streamCtx.Done():
 		sess.CloseWithError(context.Cause(streamCtx))
 	}
-	if n.reg.unregister(a) {
+	// Under admitMu, so a re-admission of this session (a reload changing
+	// the port options) cannot claim ports after they were released here.
+	n.admitMu.Lock()
+	unregistered := n.reg.unregister(a)
+	n.releasePorts(a.currentRoutes(&n.reg.mu))
+	n.admitMu.Unlock()
+	if unregistered {
 		n.log().Info("agent disconnected", zap.String("agent", a.agentID), zap.String("remote", remote),
 			zap.NamedError("reason", sess.Err()))
 	}
-	n.releasePorts(a.currentRoutes(&n.reg.mu))
 	n.sessionEnded()
 	return nil
 }
@@ -403,6 +411,17 @@ func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
 	n.reg.reroute(a, entries)
 	n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
 	n.sendAck(a, rejected)
+}
+
+// applyPortOptions re-admits the listen-port routes when the port options
+// changed from old to new in a way that matters: a different range, or a
+// different tcp_bind while a range is set (without one nothing is bound).
+func (n *node) applyPortOptions(old, new *nodeOptions) {
+	rangeChanged := old.portRange != new.portRange
+	rebind := old.tcpBind != new.tcpBind && (old.portRange.lo != 0 || new.portRange.lo != 0)
+	if rangeChanged || rebind {
+		n.portOptionsChanged(rebind)
+	}
 }
 
 // portOptionsChanged re-admits the listen-port routes of every session

@@ -155,6 +155,20 @@ func (c *caddyServer) load(body string) {
 	}
 }
 
+// tryLoadGlobal is loadGlobal for a config expected to fail: it returns
+// Caddy's error, and the running config stays as it was.
+func (c *caddyServer) tryLoadGlobal(global, body string) error {
+	c.t.Helper()
+	saved := c.opts.Global
+	c.opts.Global = global
+	defer func() { c.opts.Global = saved }()
+	cfgJSON, _, err := caddyfile.Adapter{ServerType: httpcaddyfile.ServerType{}}.Adapt([]byte(c.caddyfile(body)), nil)
+	if err != nil {
+		c.t.Fatalf("adapt: %v", err)
+	}
+	return caddy.Load(cfgJSON, true)
+}
+
 // loadGlobal reloads with other extra global options.
 func (c *caddyServer) loadGlobal(global, body string) {
 	c.t.Helper()

@@ -474,6 +474,48 @@ func TestPortClaims(t *testing.T) {
 	})
 }
 
+// TestFailedReloadKeepsPortClaims: a reload that fails after the sluice
+// app started (another app cannot bind its port) is rolled back, and so
+// are its port options: once Caddy's load returns, the claimed port serves
+// and the agent holds no rejection (it may have seen one come and go while
+// the failed config was briefly started, as Caddy's own listeners do).
+// Caddy starts apps in random order, so the failing reload is tried several
+// times to cover sluice starting first.
+func TestFailedReloadKeepsPortClaims(t *testing.T) {
+	port, other := freePort(t), freePort(t)
+	addr := loopback(port)
+	echo := serveTCP(t, echoHandler)
+	c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(port, port)}, "")
+	a, logs := launchAgentObserved(t, c.serverURL(), "agent-a", agent.Upstream{ListenPort: port, Target: tcpTarget(echo)})
+	waitConnected(t, a)
+	eventually(t, 10*time.Second, "traffic through the claimed port", func() bool { return echoWorks(addr) == nil })
+
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	failing := fmt.Sprintf("http://127.0.0.1:%d {\n\tbind 127.0.0.1\n\trespond \"unreachable\"\n}", busy.Addr().(*net.TCPAddr).Port)
+	for i := range 8 {
+		if err := c.tryLoadGlobal(portRangeGlobal(other, other), failing); err == nil {
+			t.Fatalf("attempt %d: a config binding a busy port loaded", i)
+		}
+		if err := echoWorks(addr); err != nil {
+			t.Fatalf("attempt %d: the claimed port stopped serving after a failed reload: %v", i, err)
+		}
+	}
+	rejected := logs.FilterMessage("route rejected by node").Len()
+	eventually(t, 5*time.Second, "every rejection withdrawn", func() bool {
+		return logs.FilterMessage("route accepted after retry").Len() == rejected
+	})
+	if rejected == 0 {
+		t.Log("sluice never started before the failing app: the rollback path was not exercised")
+	}
+	if got := a.Sessions(); got != 1 || a.State() != agent.StateConnected {
+		t.Fatalf("agent reconnected: sessions %d, state %v", got, a.State())
+	}
+}
+
 func TestTCPNoRouteClosesPromptly(t *testing.T) {
 	noAgent, served := freePort(t), freePort(t)
 	global := passthroughGlobal + fmt.Sprintf(`	layer4 {

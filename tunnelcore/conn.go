@@ -319,7 +319,7 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 		}
 		c.mu.Lock()
 		if c.rq.len() > 0 {
-			bufs := c.rq.drain()
+			bufs := c.takeBatchLocked()
 			c.mu.Unlock()
 			return bufs, nil
 		}
@@ -333,6 +333,25 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 			return nil, err
 		}
 	}
+}
+
+// writeToBatch bounds what one WriteTo write takes: the credit for a batch
+// goes back to the peer (and the bytes count as moved, Counts) only once
+// the batch is written, so with a window of several MiB and a slow writer a
+// whole window would otherwise wait on one write.
+const writeToBatch = 256 << 10
+
+// takeBatchLocked removes buffered buffers from the front, up to about
+// writeToBatch bytes (at least one buffer).
+func (c *Conn) takeBatchLocked() []mem.Buffer {
+	var bufs []mem.Buffer
+	size := 0
+	for c.rq.len() > 0 && (len(bufs) == 0 || size+c.rq.items[c.rq.head].Len() <= writeToBatch) {
+		b := c.rq.pop()
+		size += b.Len()
+		bufs = append(bufs, b)
+	}
+	return bufs
 }
 
 // Write implements net.Conn. It returns once p is queued for the sender,

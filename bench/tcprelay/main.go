@@ -9,8 +9,10 @@ package main
 
 import (
 	"flag"
+	"io"
 	"log"
 	"net"
+	"time"
 )
 
 func main() {
@@ -27,7 +29,10 @@ func main() {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
-			log.Fatal(err)
+			// Transient (EMFILE under a load's burst): the bench goes on.
+			log.Print(err)
+			time.Sleep(10 * time.Millisecond)
+			continue
 		}
 		go relay(c.(*net.TCPConn), *to)
 	}
@@ -40,28 +45,38 @@ func relay(client *net.TCPConn, to string) {
 		return
 	}
 	defer up.Close()
+	upTCP := up.(*net.TCPConn)
 	done := make(chan struct{})
 	go func() {
-		copyLoop(up.(*net.TCPConn), client)
+		copyLoop(upTCP, client, client)
 		close(done)
 	}()
-	copyLoop(client, up.(*net.TCPConn))
+	copyLoop(client, upTCP, upTCP)
 	<-done
 }
 
 // copyLoop copies with a plain read/write loop (io.Copy between two TCP
-// connections would splice, which no tunnel can), then half-closes dst.
-func copyLoop(dst, src *net.TCPConn) {
+// connections would splice, which no tunnel can), then half-closes dst at
+// the source's EOF. A failed write or a read error other than EOF closes
+// both connections, so the other direction ends too.
+func copyLoop(dst, src, other *net.TCPConn) {
 	buf := make([]byte, 256<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
 			if _, werr := dst.Write(buf[:n]); werr != nil {
+				dst.Close()
+				other.Close()
 				return
 			}
 		}
-		if err != nil {
+		if err == io.EOF {
 			dst.CloseWrite()
+			return
+		}
+		if err != nil {
+			dst.Close()
+			other.Close()
 			return
 		}
 	}
