@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/sluice-tunnel/sluice/internal/testwait"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -261,16 +262,7 @@ func startAgent(t testing.TB, cfg *Config, tweak ...func(*Agent)) *runningAgent 
 }
 
 // waitFor polls cond until it holds or within passes.
-func waitFor(t testing.TB, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", within, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+var waitFor = testwait.Until
 
 // hasLog reports whether the agent logged a message starting with msg whose
 // string field contains contains (any such message when field is "").

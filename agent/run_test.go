@@ -280,13 +280,15 @@ func TestRejectedRouteReadvertised(t *testing.T) {
 	}
 }
 
-func TestCancelStopsRunWithOpenConnection(t *testing.T) {
-	// An echo upstream that keeps the connection open.
+// echoUpstream serves a TCP echo on loopback until the test ends and
+// returns its address.
+func echoUpstream(t testing.TB) string {
+	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
+	t.Cleanup(func() { l.Close() })
 	go func() {
 		for {
 			c, err := l.Accept()
@@ -296,8 +298,14 @@ func TestCancelStopsRunWithOpenConnection(t *testing.T) {
 			go func() { io.Copy(c, c); c.Close() }()
 		}
 	}()
+	return l.Addr().String()
+}
+
+func TestCancelStopsRunWithOpenConnection(t *testing.T) {
+	// An echo upstream that keeps the connection open.
+	echo := echoUpstream(t)
 	node := newFakeNode(t, "secret", nodeOptions{})
-	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + l.Addr().String()}))
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + echo}))
 	ns := node.next(t)
 	c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "echo"})
 	if err != nil {
@@ -323,22 +331,9 @@ func TestCancelStopsRunWithOpenConnection(t *testing.T) {
 }
 
 func TestMaxConnections(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() { io.Copy(c, c); c.Close() }()
-		}
-	}()
+	echo := echoUpstream(t)
 	node := newFakeNode(t, "secret", nodeOptions{})
-	cfg := testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + l.Addr().String()})
+	cfg := testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + echo})
 	cfg.MaxConnections = 1
 	startAgent(t, cfg)
 	ns := node.next(t)

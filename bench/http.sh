@@ -191,9 +191,9 @@ target "bulk: single download" single 0.7 sluice
 target "bulk: ${PAR_N}x parallel downloads" parallel 0.7 sluice
 target "small requests/s" rps 0.8 sluice
 echo "reference (hop/caddy: what one more process costs by itself on this machine):"
-printf '  %-44s %s\n' "bulk: single download" "$(ratio "${R[single,hop]:-}" "${R[single,caddy]:-}")"
-printf '  %-44s %s\n' "bulk: ${PAR_N}x parallel downloads" "$(ratio "${R[parallel,hop]:-}" "${R[parallel,caddy]:-}")"
-printf '  %-44s %s\n' "small requests/s" "$(ratio "${R[rps,hop]:-}" "${R[rps,caddy]:-}")"
+reference "bulk: single download" single
+reference "bulk: ${PAR_N}x parallel downloads" parallel
+reference "small requests/s" rps
 
 report_warnings
 exit 0

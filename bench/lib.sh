@@ -413,6 +413,12 @@ target() { # target LABEL KEY MIN PATH: R[KEY,PATH] / R[KEY,BASE] >= MIN?
 	fi
 }
 
+# reference LABEL KEY: the hop/BASE line for R[KEY,..]: what one more bare
+# process on the path costs by itself (no target; context for the ratios).
+reference() {
+	printf '  %-44s %s\n' "$1" "$(ratio "${R[$2,hop]:-}" "${R[$2,$BASE]:-}")"
+}
+
 # report_warnings: the warnings collected by warn, if any.
 report_warnings() {
 	if [ "${#warnings[@]}" -gt 0 ]; then

@@ -176,8 +176,8 @@ target "small requests/s" rps 0.6 sluice
 target "(d) port route: bulk, single download MB/s" single 0.6 port
 target "(d) port route: small requests/s" rps 0.6 port
 echo "reference (hop/l4: what one more process costs by itself on this machine):"
-printf '  %-44s %s\n' "bulk: single download MB/s" "$(ratio "${R[single,hop]:-}" "${R[single,l4]:-}")"
-printf '  %-44s %s\n' "small requests/s" "$(ratio "${R[rps,hop]:-}" "${R[rps,l4]:-}")"
+reference "bulk: single download MB/s" single
+reference "small requests/s" rps
 
 report_warnings
 exit 0

@@ -36,6 +36,7 @@ import (
 
 	"github.com/sluice-tunnel/sluice/agent"
 	_ "github.com/sluice-tunnel/sluice/caddymodule"
+	"github.com/sluice-tunnel/sluice/internal/testwait"
 	_ "github.com/sluice-tunnel/sluice/l4module"
 )
 
@@ -324,17 +325,19 @@ func getAfterReload(t testing.TB, c *caddyServer, host, path string) (int, strin
 	}
 }
 
-// eventually polls cond until it holds or within passes.
-func eventually(t testing.TB, within time.Duration, what string, cond func() bool) {
+// reloadWithNewSite reloads with body plus a new site, extra.test, and
+// checks the new config answers: the changed config of the "reload keeps
+// ..." tests.
+func reloadWithNewSite(t testing.TB, c *caddyServer, body string) {
 	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", within, what)
-		}
-		time.Sleep(10 * time.Millisecond)
+	c.load(body + "\n\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
+	if code, got := getAfterReload(t, c, "extra.test", "/"); code != 200 || got != "new site" {
+		t.Fatalf("new config not active: %d %q", code, got)
 	}
 }
+
+// eventually polls cond until it holds or within passes.
+var eventually = testwait.Until
 
 // needCommand skips the test when a real client is not installed, unless
 // running in CI, where .ci/run installs it and its absence is a failure.

@@ -113,11 +113,7 @@ func TestReloadKeepsInFlightDownloadAndWebSocket(t *testing.T) {
 	echoWS(t, ws, 10)
 
 	// Reload with a changed config: a new site.
-	c.load(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-
-	if code, body := getAfterReload(t, c, "extra.test", "/"); code != 200 || body != "new site" {
-		t.Fatalf("new config not active: %d %q", code, body)
-	}
+	reloadWithNewSite(t, c, siteAll)
 	rest, err := io.Copy(io.Discard, resp.Body)
 	if err != nil || int64(len(firstChunk))+rest != size {
 		t.Fatalf("download across reload: %d of %d bytes, %v", int64(len(firstChunk))+rest, size, err)

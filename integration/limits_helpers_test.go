@@ -108,39 +108,7 @@ func (h *limHoldUpstream) release() {
 // the port. Cleanup closes the listener and every connection.
 func limEchoServer(t testing.TB) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	conns := map[net.Conn]struct{}{}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = struct{}{}
-			mu.Unlock()
-			go func() {
-				io.Copy(c, c)
-				c.Close()
-				mu.Lock()
-				delete(conns, c)
-				mu.Unlock()
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-	})
-	return ln.Addr().(*net.TCPAddr).Port
+	return serveTCP(t, func(c net.Conn) { io.Copy(c, c) })
 }
 
 // echoWithin writes msg on c (to an echo upstream) and reads it back within d.

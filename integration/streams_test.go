@@ -505,10 +505,7 @@ func TestGRPCBidiSurvivesReload(t *testing.T) {
 	for i := 0; i < pings; i++ {
 		<-tick.C
 		if i == pings/2 {
-			c.load(grpcSite + "\n\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-			if code, body := getAfterReload(t, c, "extra.test", "/"); code != 200 || body != "new site" {
-				t.Fatalf("new config not active: %d %q", code, body)
-			}
+			reloadWithNewSite(t, c, grpcSite)
 		}
 		msg := fmt.Sprintf("ping %d", i)
 		if err := stream.Send(&testpb.StreamingOutputCallRequest{Payload: &testpb.Payload{Body: []byte(msg)}}); err != nil {
@@ -554,10 +551,7 @@ func TestReloadKeepsInFlightSSEAndWebSocket(t *testing.T) {
 	defer ws.CloseNow()
 	echoWS(t, ws, 10)
 
-	c.load(siteAll + "\nhttp://extra.test:{HTTP} {\n\trespond \"new site\"\n}\n")
-	if code, body := getAfterReload(t, c, "extra.test", "/"); code != 200 || body != "new site" {
-		t.Fatalf("new config not active: %d %q", code, body)
-	}
+	reloadWithNewSite(t, c, siteAll)
 
 	// The stream keeps delivering, in order, to its last event.
 	for i := 4; i <= 30; i++ {

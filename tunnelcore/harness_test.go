@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/experimental"
 
+	"github.com/sluice-tunnel/sluice/internal/testwait"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -117,17 +118,8 @@ func forEachTransport(t *testing.T, body func(t *testing.T, tr transport)) {
 	}
 }
 
-// eventually polls cond until it holds or the deadline passes.
-func eventually(t testing.TB, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", within, what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
+// eventually polls cond until it holds or within passes.
+var eventually = testwait.Until
 
 func accept(t testing.TB, s *Session) *Conn {
 	t.Helper()
@@ -145,26 +137,27 @@ func envInt(name string) int {
 	return v
 }
 
-func benchServerOpts() []grpc.ServerOption {
-	o := []grpc.ServerOption{grpc.WriteBufferSize(GRPCBufferSize), grpc.ReadBufferSize(GRPCBufferSize),
-		grpc.InitialWindowSize(GRPCWindowSize), grpc.InitialConnWindowSize(GRPCWindowSize)}
+// benchSizes are the gRPC buffer and window sizes of the test transports:
+// the production ones, or WB / WIN from the environment.
+func benchSizes() (buf, win int) {
+	buf, win = GRPCBufferSize, GRPCWindowSize
 	if n := envInt("WB"); n > 0 {
-		o = append(o, grpc.WriteBufferSize(n), grpc.ReadBufferSize(n))
+		buf = n
 	}
 	if n := envInt("WIN"); n > 0 {
-		o = append(o, grpc.InitialWindowSize(int32(n)), grpc.InitialConnWindowSize(int32(n)))
+		win = n
 	}
-	return o
+	return buf, win
+}
+
+func benchServerOpts() []grpc.ServerOption {
+	buf, win := benchSizes()
+	return []grpc.ServerOption{grpc.WriteBufferSize(buf), grpc.ReadBufferSize(buf),
+		grpc.InitialWindowSize(int32(win)), grpc.InitialConnWindowSize(int32(win))}
 }
 
 func benchDialOpts() []grpc.DialOption {
-	o := []grpc.DialOption{grpc.WithWriteBufferSize(GRPCBufferSize), grpc.WithReadBufferSize(GRPCBufferSize),
-		grpc.WithInitialWindowSize(GRPCWindowSize), grpc.WithInitialConnWindowSize(GRPCWindowSize)}
-	if n := envInt("WB"); n > 0 {
-		o = append(o, grpc.WithWriteBufferSize(n), grpc.WithReadBufferSize(n))
-	}
-	if n := envInt("WIN"); n > 0 {
-		o = append(o, grpc.WithInitialWindowSize(int32(n)), grpc.WithInitialConnWindowSize(int32(n)))
-	}
-	return o
+	buf, win := benchSizes()
+	return []grpc.DialOption{grpc.WithWriteBufferSize(buf), grpc.WithReadBufferSize(buf),
+		grpc.WithInitialWindowSize(int32(win)), grpc.WithInitialConnWindowSize(int32(win))}
 }
