@@ -304,8 +304,9 @@ func get(t testing.TB, c *caddyServer, host, path string) (int, string) {
 // getAfterReload is get for the first request after a reload. caddy.Load
 // returns once the old servers' Shutdown has been started, not finished:
 // for a moment the old listener, which shares the port (SO_REUSEPORT), may
-// still take a connection and then reset it as it closes. That is Caddy's
-// reload, not the tunnel, so a reset or refused dial is retried (bounded).
+// still take a connection and then reset or close it unanswered as it
+// shuts down. That is Caddy's reload, not the tunnel, so a reset, a refused
+// dial or an EOF before any response is retried (bounded).
 func getAfterReload(t testing.TB, c *caddyServer, host, path string) (int, string) {
 	t.Helper()
 	deadline := time.Now().Add(3 * time.Second)
@@ -318,7 +319,8 @@ func getAfterReload(t testing.TB, c *caddyServer, host, path string) (int, strin
 			b, _ := io.ReadAll(resp.Body)
 			return resp.StatusCode, string(b)
 		}
-		if time.Now().After(deadline) || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED)) {
+		retryable := errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, io.EOF)
+		if time.Now().After(deadline) || !retryable {
 			t.Fatalf("GET %s%s after reload: %v", host, path, err)
 		}
 		time.Sleep(20 * time.Millisecond)
