@@ -63,7 +63,11 @@ type App struct {
 	// A reload that changes the range (or tcp_bind) applies to connected
 	// agents at once: ports it excludes are closed (connections already
 	// relayed keep running) and reported rejected to their agents, ports it
-	// now includes are bound.
+	// now includes are bound. Claimed ports bind without SO_REUSEPORT, so a
+	// claim never shares a port with a Caddy listener; moving a claimed port
+	// to a layer4 server of the config therefore takes two reloads (first
+	// take it out of the range, then add the server), as the new server
+	// cannot bind while the claim still holds the port.
 	TCPPortRange string `json:"tcp_port_range,omitempty"`
 
 	// TCPBind is the host the claimed ports bind on. Default: all
