@@ -398,10 +398,12 @@ func (r *recordingStream) RecvMsg(m any) error {
 	return err
 }
 
-// dialOptions are the gRPC options of the connection to the node.
-func (a *Agent) dialOptions() []grpc.DialOption {
+// dialOptions are the gRPC options of the connection to the node; creds
+// wraps the agent's transport credentials (ProgressCredentials) so the
+// session's stall watchdog can read the socket's progress.
+func (a *Agent) dialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithTransportCredentials(a.creds),
+		grpc.WithTransportCredentials(creds),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
 		// DATA buffers come from tunnelcore's pool (not zeroed on reuse),
 		// larger socket buffers halve the syscalls per byte, and static
@@ -455,7 +457,8 @@ func (a *Agent) advertise() *tunnelpb.Frame {
 // the session ends or ctx is cancelled.
 func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	_, hostport := a.cfg.ServerAddr()
-	cc, err := grpc.NewClient("dns:///"+hostport, a.dialOptions()...)
+	creds := tunnelcore.ProgressCredentials(a.creds)
+	cc, err := grpc.NewClient("dns:///"+hostport, a.dialOptions(creds)...)
 	if err != nil {
 		return sessionResult{err: err}
 	}
@@ -505,6 +508,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		Role:      tunnelcore.RoleAgent,
 		OnControl: onControl,
 		Budget:    a.budget,
+		Progress:  creds.Progress(),
 		Logger:    a.log,
 	})
 	if err != nil {

@@ -122,9 +122,9 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 		// Agents ping every 30 s even with no stream open; allow down to 10 s.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 	}
-	if creds != nil {
-		opts = append(opts, grpc.Creds(creds))
-	}
+	// The credentials also record each connection's socket progress, so
+	// the stall watchdog tells a stalled agent from a slow link.
+	opts = append(opts, grpc.Creds(tunnelcore.ProgressCredentials(creds)))
 	n.server = grpc.NewServer(opts...)
 	tunnelpb.RegisterTunnelServer(n.server, &tunnelService{n: n})
 	go func() {
@@ -221,8 +221,10 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	n := s.n
 	ctx := stream.Context()
 	remote := "unknown"
+	var progress func() uint64
 	if p, ok := peer.FromContext(ctx); ok {
 		remote = p.Addr.String()
+		progress = tunnelcore.ProgressOf(p.AuthInfo)
 	}
 	if n.draining.Load() {
 		return status.Error(codes.Unavailable, "node is draining")
@@ -265,6 +267,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		Budget:       n.budget,
 		Slots:        n.slots,
 		StallTimeout: opts.stallTimeout,
+		Progress:     progress,
 		Logger:       n.log().With(zap.String("agent", a.agentID)),
 		OnControl:    func(f *tunnelpb.Frame) { n.onControl(a, f) },
 	})

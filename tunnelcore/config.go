@@ -97,13 +97,22 @@ type Config struct {
 
 	// StallTimeout fails the session when one Send to the stream has been
 	// blocked this long (the peer stopped reading the stream while still
-	// answering keepalives). The watchdog measures frames, not bytes: a
-	// peer that takes at least one DATA frame (up to MaxFrameSize) per
-	// StallTimeout is never cut. It cannot see a peer that stops reading
-	// while the connections' credit still fits in the transport's buffers;
-	// those connections stall on their own credit alone. Default
+	// answering keepalives) and, with Progress set, the transport under
+	// the stream delivered less than 16 KiB in that time: a slow link that
+	// still moves is never cut, however long one frame takes to drain.
+	// Without Progress the blocked Send decides alone, and a link too slow
+	// to drain about one frame plus gRPC's write quota per StallTimeout is
+	// cut. The watchdog cannot see a peer that stops reading while the
+	// connections' credit still fits in the transport's buffers; those
+	// connections stall on their own credit alone. Default
 	// DefaultStallTimeout; negative turns the watchdog off.
 	StallTimeout time.Duration
+
+	// Progress, when set, reads how many bytes the transport under the
+	// stream has delivered to the peer so far (a counter that only grows;
+	// ProgressCredentials provides one from the socket). The stall
+	// watchdog uses it to tell a stalled peer from a slow link.
+	Progress func() uint64
 
 	// ReclaimAfter is how long a reader may take no bytes before its peer
 	// is asked to give back the credit above InitialWindow, releasing the

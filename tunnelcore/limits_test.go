@@ -43,48 +43,30 @@ func TestStallWatchdogSparesASlowReader(t *testing.T) {
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
 	node, _ := NewSession(a, Config{Role: RoleNode, StallTimeout: 150 * time.Millisecond})
 	defer node.Close()
-	// A raw peer that takes one frame every 50 ms and grants credit back.
 	stop := make(chan struct{})
 	defer close(stop)
-	go func() {
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(50 * time.Millisecond):
-			}
-			env := &tunnelpb.Envelope{}
-			if b.Recv(env) != nil {
-				return
-			}
-			if env.IsData() {
-				n := env.Payload.Len()
-				env.Payload.Free()
-				b.Send(&tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
-					WindowUpdate: &tunnelpb.WindowUpdate{ConnId: env.ConnID, Increment: uint32(n)}}}})
-			}
-		}
-	}()
+	// A raw peer that takes one frame every 50 ms and grants credit back:
+	// the Connect frame and twenty 1 KiB DATA frames, each taken slowly.
+	const frames = 21
+	took := slowPeer(b, 50*time.Millisecond, frames, stop)
 	c, _ := node.Open(ConnectInfo{})
-	done := make(chan error, 1)
 	go func() {
-		// 1 KiB frames: many frames, each taken slowly.
 		buf := make([]byte, 1024)
-		for i := 0; i < 20; i++ {
+		for i := 0; i < frames-1; i++ {
 			if _, err := c.Write(buf); err != nil {
-				done <- err
 				return
 			}
 		}
-		done <- nil
 	}()
 	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("slow but steady reader was cut: %v", err)
+	case n := <-took:
+		if n != frames {
+			t.Fatalf("the peer took %d frames of %d: %v", n, frames, node.Err())
 		}
+	case <-node.Done():
+		t.Fatalf("slow but steady reader was cut: %v", node.Err())
 	case <-time.After(10 * time.Second):
-		t.Fatal("writes did not complete")
+		t.Fatal("the slow reader did not finish")
 	}
 	if node.Err() != nil {
 		t.Fatalf("session failed: %v", node.Err())

@@ -187,8 +187,9 @@ func (s *Session) drainAccept() {
 }
 
 // ErrStalled ends a session whose stream took no frame for
-// Config.StallTimeout while frames waited.
-var ErrStalled = errors.New("tunnel stream stalled: the peer took no frame within the stall timeout")
+// Config.StallTimeout while frames waited (and, with Config.Progress, whose
+// transport delivered no data meanwhile).
+var ErrStalled = errors.New("tunnel stream stalled: the peer took no data within the stall timeout")
 
 // maintain runs the stall watchdog and the window reclaim until the
 // session ends.
@@ -202,12 +203,20 @@ func (s *Session) maintain() {
 	}
 	tick := time.NewTicker(period)
 	defer tick.Stop()
+	var moved progressMark
 	for {
 		select {
 		case <-s.done:
 			return
 		case now := <-tick.C:
-			if s.stalled(now) {
+			// The socket is read only while a Send is in progress: an idle
+			// session costs no syscall.
+			if s.sender.sendingSince.Load() != 0 {
+				moved.observe(s.cfg.Progress, now)
+			} else {
+				moved = progressMark{}
+			}
+			if s.stalled(now, moved.at) {
 				s.cfg.Logger.Warn("tunnel stream stalled; failing the session",
 					zap.Duration("stall_timeout", s.cfg.StallTimeout), zap.Int64("queued_bytes", s.Stats().Queued))
 				s.CloseWithError(ErrStalled)
@@ -220,10 +229,37 @@ func (s *Session) maintain() {
 	}
 }
 
-// stalled reports whether a Send has been blocked past the stall timeout.
-func (s *Session) stalled(now time.Time) bool {
+// stalled reports whether a Send has been blocked past the stall timeout
+// while the transport moved less than stallProgressStep since movedAt (with
+// no Config.Progress, the blocked Send decides alone).
+func (s *Session) stalled(now, movedAt time.Time) bool {
+	st := s.cfg.StallTimeout
 	since := s.sender.sendingSince.Load()
-	return s.cfg.StallTimeout > 0 && since != 0 && now.Sub(time.Unix(0, since)) > s.cfg.StallTimeout
+	if st <= 0 || since == 0 || now.Sub(time.Unix(0, since)) <= st {
+		return false
+	}
+	return s.cfg.Progress == nil || now.Sub(movedAt) > st
+}
+
+// progressMark is when the transport was last seen to deliver
+// stallProgressStep bytes during a blocked Send (or when the Send was first
+// seen blocked), and its reading then.
+type progressMark struct {
+	value uint64
+	at    time.Time
+}
+
+// observe starts the mark, or moves it when the transport delivered a step
+// since. A reading below the mark (the socket is gone and reads 0) is no
+// progress.
+func (m *progressMark) observe(progress func() uint64, now time.Time) {
+	var v uint64
+	if progress != nil {
+		v = progress()
+	}
+	if m.at.IsZero() || v >= m.value+stallProgressStep {
+		*m = progressMark{value: v, at: now}
+	}
 }
 
 // reclaimIdle asks the peers of idle readers with grown windows to give

@@ -1,0 +1,34 @@
+package tunnelcore
+
+import (
+	"net"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// socketProgress returns a reader of the bytes the peer's TCP acknowledged
+// on c (TCP_INFO tcpi_bytes_acked, Linux 4.1+; 0 on older kernels, which
+// leaves the watchdog timing blocked Sends alone), or nil when c is not a
+// TCP connection.
+func socketProgress(c net.Conn) func() uint64 {
+	tc := tcpConnOf(c)
+	if tc == nil {
+		return nil
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return func() uint64 { return bytesAcked(rc) }
+}
+
+func bytesAcked(rc syscall.RawConn) uint64 {
+	var acked uint64
+	_ = rc.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			acked = info.Bytes_acked
+		}
+	})
+	return acked
+}
