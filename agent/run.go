@@ -25,6 +25,7 @@ import (
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -398,12 +399,12 @@ func (r *recordingStream) RecvMsg(m any) error {
 	return err
 }
 
-// dialOptions are the gRPC options of the connection to the node; creds
-// wraps the agent's transport credentials (ProgressCredentials) so the
-// session's stall watchdog can read the socket's progress.
-func (a *Agent) dialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
+// dialOptions are the gRPC options of the connection to the node. The
+// credentials record the socket's progress for the session's stall
+// watchdog (tunnelcore.ProgressCredentials).
+func (a *Agent) dialOptions() []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithTransportCredentials(creds),
+		grpc.WithTransportCredentials(tunnelcore.ProgressCredentials(a.creds)),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
 		// DATA buffers come from tunnelcore's pool (not zeroed on reuse),
 		// larger socket buffers halve the syscalls per byte, and static
@@ -457,8 +458,7 @@ func (a *Agent) advertise() *tunnelpb.Frame {
 // the session ends or ctx is cancelled.
 func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	_, hostport := a.cfg.ServerAddr()
-	creds := tunnelcore.ProgressCredentials(a.creds)
-	cc, err := grpc.NewClient("dns:///"+hostport, a.dialOptions(creds)...)
+	cc, err := grpc.NewClient("dns:///"+hostport, a.dialOptions()...)
 	if err != nil {
 		return sessionResult{err: err}
 	}
@@ -474,6 +474,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		return sessionResult{err: err}
 	}
 	rs := &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
+	progress := streamProgress(st)
 
 	acks := make(chan *tunnelpb.AdvertiseAck, 8)
 	var drained atomic.Bool
@@ -508,7 +509,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		Role:      tunnelcore.RoleAgent,
 		OnControl: onControl,
 		Budget:    a.budget,
-		Progress:  creds.Progress(),
+		Progress:  progress,
 		Logger:    a.log,
 	})
 	if err != nil {
@@ -568,7 +569,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	a.log.Info("connected",
 		zap.String("server", a.cfg.Server),
 		zap.String("node_id", ack.GetNodeId()),
-		zap.Strings("routes", routes.update(a.log, ack)))
+		zap.Strings("routes", routes.update(a.log, ack)),
+		zap.Bool("stall_progress", progress != nil)) // see tunnelcore.Config.Progress
 	a.markConnected(ack.GetNodeId())
 
 	// Serve.
@@ -668,4 +670,15 @@ func (r *routeState) update(log *zap.Logger, ack *tunnelpb.AdvertiseAck) []strin
 		r.rejected[rj.GetName()] = rj.GetReason()
 	}
 	return accepted
+}
+
+// streamProgress is the stall watchdog's reader of the bytes the stream's
+// TCP connection delivered, from the AuthInfo the connection's handshake
+// recorded (nil where it could not: the watchdog then times blocked Sends
+// alone).
+func streamProgress(st grpc.ClientStream) func() uint64 {
+	if p, ok := peer.FromContext(st.Context()); ok {
+		return tunnelcore.ProgressOf(p.AuthInfo)
+	}
+	return nil
 }

@@ -116,8 +116,8 @@ type App struct {
 	MaxPendingStreamsPerAddress int `json:"max_pending_streams_per_address,omitempty"`
 
 	// TunnelStallTimeout fails a session whose agent stopped taking frames
-	// for this long while frames waited (the agent reconnects). A slow link
-	// that still moves data is not cut: the watchdog reads the TCP
+	// for this long while frames waited (the agent reconnects). A link that
+	// still moves 16 KiB per timeout is not cut: the watchdog reads the TCP
 	// connection's acknowledged bytes (Linux). Default 60s; negative: off.
 	TunnelStallTimeout caddy.Duration `json:"tunnel_stall_timeout,omitempty"`
 

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
@@ -124,6 +125,9 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 	}
 	// The credentials also record each connection's socket progress, so
 	// the stall watchdog tells a stalled agent from a slow link.
+	if creds == nil {
+		creds = insecure.NewCredentials()
+	}
 	opts = append(opts, grpc.Creds(tunnelcore.ProgressCredentials(creds)))
 	n.server = grpc.NewServer(opts...)
 	tunnelpb.RegisterTunnelServer(n.server, &tunnelService{n: n})
@@ -285,8 +289,11 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	n.sendAck(a, rejected)
 	n.admitMu.Unlock()
 	go refuseAgentOpened(streamCtx, sess)
+	// stall_progress: whether the stall watchdog reads the connection's
+	// progress (else it times blocked sends alone; see tunnelcore).
 	n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
-		zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)))
+		zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)),
+		zap.Bool("stall_progress", progress != nil))
 
 	select {
 	case <-sess.Done():

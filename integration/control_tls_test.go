@@ -1,27 +1,93 @@
 package integration
 
 import (
+	"encoding/json"
+	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/sluice-tunnel/sluice/agent"
 )
 
 // TestTLSControlPlane: with `tls <cert> <key>` in the sluice block the
 // control plane serves grpcs://, an agent that trusts the certificate
-// (ca_file) connects over TLS, and requests reach its upstream.
+// (ca_file) connects over TLS, and requests reach its upstream. Both ends'
+// stall watchdogs read the TLS connection's socket progress.
 func TestTLSControlPlane(t *testing.T) {
 	openssl := needCommand(t, "openssl")
 	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile)}, siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile), CaptureLog: true}, siteAll)
 	up := startUpstream(t, "tls-app")
 	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
-	startAgentWith(t, serverURL, "tls-agent", func(cfg *agent.Config) { cfg.CAFile = certFile },
-		agent.Upstream{Host: "app.test", Target: up})
+	a, logs := launchAgentLogged(t, serverURL, "tls-agent", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+		true, agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
 
 	code, body := get(t, c, "app.test", "/")
 	if code != 200 || !strings.Contains(body, "tls-app") {
 		t.Fatalf("GET through a TLS control plane: %d %q", code, body)
 	}
+	assertStallProgress(t, c, logs, "tls-agent")
+}
+
+// TestStallWatchdogReadsTheSocket: over a plaintext control plane too, the
+// node's and the agent's sessions get the socket's progress (their
+// "connected" lines say stall_progress).
+func TestStallWatchdogReadsTheSocket(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{CaptureLog: true}, siteAll)
+	up := startUpstream(t, "app")
+	a, logs := launchAgentObserved(t, c.serverURL(), "progress-agent", agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	assertStallProgress(t, c, logs, "progress-agent")
+}
+
+// assertStallProgress checks the node's "agent connected" line for id and
+// the agent's "connected" line both report stall_progress true.
+func assertStallProgress(t *testing.T, c *caddyServer, agentLogs *observer.ObservedLogs, id string) {
+	t.Helper()
+	var nodeSaid *bool
+	eventually(t, 5*time.Second, "the node's agent connected line", func() bool {
+		nodeSaid = nodeStallProgress(t, c, id)
+		return nodeSaid != nil
+	})
+	if !*nodeSaid {
+		t.Error(`node: "agent connected" says stall_progress false`)
+	}
+	lines := agentLogs.FilterMessage("connected").All()
+	if len(lines) == 0 {
+		t.Fatal(`agent logged no "connected" line`)
+	}
+	if got, ok := lines[0].ContextMap()["stall_progress"].(bool); !ok || !got {
+		t.Errorf(`agent: "connected" has stall_progress %v`, lines[0].ContextMap()["stall_progress"])
+	}
+}
+
+// nodeStallProgress returns the stall_progress of the node's "agent
+// connected" line for agent id, or nil while there is none.
+func nodeStallProgress(t *testing.T, c *caddyServer, id string) *bool {
+	b, err := os.ReadFile(c.logPath)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("reading the Caddy log: %v", err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if !strings.Contains(line, `"agent connected"`) {
+			continue
+		}
+		var l struct {
+			Agent         string `json:"agent"`
+			StallProgress *bool  `json:"stall_progress"`
+		}
+		if err := json.Unmarshal([]byte(line), &l); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		if l.Agent == id && l.StallProgress != nil {
+			return l.StallProgress
+		}
+	}
+	return nil
 }

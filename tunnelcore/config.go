@@ -98,11 +98,15 @@ type Config struct {
 	// StallTimeout fails the session when one Send to the stream has been
 	// blocked this long (the peer stopped reading the stream while still
 	// answering keepalives) and, with Progress set, the transport under
-	// the stream delivered less than 16 KiB in that time: a slow link that
-	// still moves is never cut, however long one frame takes to drain.
-	// Without Progress the blocked Send decides alone, and a link too slow
-	// to drain about one frame plus gRPC's write quota per StallTimeout is
-	// cut. The watchdog cannot see a peer that stops reading while the
+	// the stream delivered less than 16 KiB meanwhile (counted from the
+	// first check that saw the Send blocked, or the last 16 KiB): a link
+	// that moves at least 16 KiB per StallTimeout is never cut, however
+	// long one frame takes to drain. A peer that stops reading is then cut
+	// once what the transport buffers (gRPC's stream window, the sockets)
+	// has drained and StallTimeout passed with nothing moving, which on a
+	// slow link is later than the timeout alone. Without Progress the
+	// blocked Send decides alone, and a link too slow to drain about one
+	// frame plus gRPC's write quota per StallTimeout is cut. The watchdog cannot see a peer that stops reading while the
 	// connections' credit still fits in the transport's buffers; those
 	// connections stall on their own credit alone. Default
 	// DefaultStallTimeout; negative turns the watchdog off.

@@ -41,7 +41,7 @@ func TestStallWatchdogCutsAPeerThatStopsReading(t *testing.T) {
 func TestStallWatchdogSparesASlowReader(t *testing.T) {
 	a, b := Pipe(2)
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, _ := NewSession(a, Config{Role: RoleNode, StallTimeout: 150 * time.Millisecond})
+	node, _ := NewSession(a, Config{Role: RoleNode, StallTimeout: 500 * time.Millisecond})
 	defer node.Close()
 	stop := make(chan struct{})
 	defer close(stop)

@@ -2,11 +2,10 @@ package tunnelcore
 
 import (
 	"context"
+	"fmt"
 	"net"
-	"sync/atomic"
 
 	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 )
 
 // Transport progress for the stall watchdog.
@@ -17,31 +16,29 @@ import (
 // everything it gets. What tells a stalled peer from a slow link is whether
 // the connection under the stream still delivers bytes, which the kernel
 // knows: TCP_INFO's bytes_acked is what the peer's TCP acknowledged.
-// ProgressCredentials records a reader of it for every gRPC connection, at
-// the handshake, where both ends can find it (the server through the
-// stream's peer AuthInfo, the client through ProgressCredentials.Progress).
+// ProgressCredentials records a reader of it in every gRPC connection's
+// AuthInfo at the handshake, where either end finds it through its stream's
+// context (peer.FromContext(stream.Context()).AuthInfo, then ProgressOf).
 
 // stallProgressStep is the least a transport must deliver within the stall
 // timeout to count as moving: one HTTP/2 frame. It keeps keepalive pings
-// and connection-level window updates (a few bytes each) from hiding a
-// stream that does not move.
+// and connection-level window updates (a few bytes each, about 70 bytes a
+// minute between sluice ends) from hiding a stream that does not move.
 const stallProgressStep = 16 << 10
 
 // ProgressCreds wraps gRPC transport credentials so every connection's
 // handshake records a reader of its socket's delivered bytes.
 type ProgressCreds struct {
 	credentials.TransportCredentials
-	// last is the progress reader of the latest client handshake, shared
-	// with clones (gRPC clones the credentials of a ClientConn).
-	last *atomic.Pointer[func() uint64]
 }
 
-// ProgressCredentials wraps creds (nil: insecure, plaintext).
+// ProgressCredentials wraps creds, which must not be nil (for plaintext,
+// pass insecure.NewCredentials()).
 func ProgressCredentials(creds credentials.TransportCredentials) *ProgressCreds {
 	if creds == nil {
-		creds = insecure.NewCredentials()
+		panic("tunnelcore: ProgressCredentials of nil credentials")
 	}
-	return &ProgressCreds{TransportCredentials: creds, last: new(atomic.Pointer[func() uint64])}
+	return &ProgressCreds{TransportCredentials: creds}
 }
 
 // ClientHandshake implements credentials.TransportCredentials.
@@ -50,11 +47,7 @@ func (p *ProgressCreds) ClientHandshake(ctx context.Context, authority string, r
 	if err != nil {
 		return conn, ai, err
 	}
-	f := socketProgress(raw)
-	if f != nil {
-		p.last.Store(&f)
-	}
-	return conn, withProgress(ai, f), nil
+	return conn, withProgress(ai, socketProgress(raw)), nil
 }
 
 // ServerHandshake implements credentials.TransportCredentials.
@@ -68,25 +61,12 @@ func (p *ProgressCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.Aut
 
 // Clone implements credentials.TransportCredentials.
 func (p *ProgressCreds) Clone() credentials.TransportCredentials {
-	return &ProgressCreds{TransportCredentials: p.TransportCredentials.Clone(), last: p.last}
-}
-
-// Progress returns a reader of the bytes delivered by the connection of
-// the latest client handshake (0 until there is one, or where the platform
-// cannot tell). A session on a ClientConn of its own uses it as
-// Config.Progress.
-func (p *ProgressCreds) Progress() func() uint64 {
-	return func() uint64 {
-		if f := p.last.Load(); f != nil {
-			return (*f)()
-		}
-		return 0
-	}
+	return &ProgressCreds{TransportCredentials: p.TransportCredentials.Clone()}
 }
 
 // ProgressOf returns the progress reader ProgressCredentials recorded in a
-// connection's AuthInfo (the server side: peer.FromContext(ctx).AuthInfo),
-// or nil.
+// connection's AuthInfo, or nil (other credentials, a connection that is not
+// TCP underneath, a platform without TCP_INFO).
 func ProgressOf(ai credentials.AuthInfo) func() uint64 {
 	if p, ok := ai.(progressAuthInfo); ok {
 		return p.progress
@@ -94,13 +74,19 @@ func ProgressOf(ai credentials.AuthInfo) func() uint64 {
 	return nil
 }
 
-// progressAuthInfo is the handshake's AuthInfo with the progress reader.
+// progressAuthInfo is the handshake's AuthInfo with the progress reader. It
+// passes on the optional interfaces gRPC looks for on an AuthInfo (security
+// level, :authority validation, channelz security details) and Unwrap gives
+// the wrapped one, for code that needs its concrete type (credentials.TLSInfo).
 type progressAuthInfo struct {
 	credentials.AuthInfo
 	progress func() uint64
 }
 
-// GetCommonAuthInfo passes the wrapped security level through, so
+// Unwrap returns the AuthInfo of the wrapped credentials.
+func (a progressAuthInfo) Unwrap() credentials.AuthInfo { return a.AuthInfo }
+
+// GetCommonAuthInfo passes the wrapped security level on, so
 // credentials.CheckSecurityLevel sees what the handshake established.
 func (a progressAuthInfo) GetCommonAuthInfo() credentials.CommonAuthInfo {
 	if c, ok := a.AuthInfo.(interface {
@@ -109,6 +95,24 @@ func (a progressAuthInfo) GetCommonAuthInfo() credentials.CommonAuthInfo {
 		return c.GetCommonAuthInfo()
 	}
 	return credentials.CommonAuthInfo{SecurityLevel: credentials.InvalidSecurityLevel}
+}
+
+// ValidateAuthority implements credentials.AuthorityValidator when the
+// wrapped AuthInfo does, and refuses overrides as gRPC would when it does
+// not.
+func (a progressAuthInfo) ValidateAuthority(authority string) error {
+	if v, ok := a.AuthInfo.(credentials.AuthorityValidator); ok {
+		return v.ValidateAuthority(authority)
+	}
+	return fmt.Errorf("credentials type %q do not validate :authority overrides", a.AuthType())
+}
+
+// GetSecurityValue implements credentials.ChannelzSecurityInfo.
+func (a progressAuthInfo) GetSecurityValue() credentials.ChannelzSecurityValue {
+	if v, ok := a.AuthInfo.(credentials.ChannelzSecurityInfo); ok {
+		return v.GetSecurityValue()
+	}
+	return nil
 }
 
 func withProgress(ai credentials.AuthInfo, f func() uint64) credentials.AuthInfo {

@@ -6,11 +6,11 @@ import (
 	"io"
 	"net"
 	"runtime"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/peer"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -44,53 +44,86 @@ func slowPeer(b FrameStream, interval time.Duration, n int, stop <-chan struct{}
 	return took
 }
 
+// linkAt returns a Config.Progress that delivers rate bytes a second.
+func linkAt(rate float64) func() uint64 {
+	start := time.Now()
+	return func() uint64 { return uint64(time.Since(start).Seconds() * rate) }
+}
+
+// stepsPerTimeout is the rate at which a link delivers k watchdog steps
+// (stallProgressStep) per stall timeout st.
+func stepsPerTimeout(k float64, st time.Duration) float64 {
+	return k * stallProgressStep / st.Seconds()
+}
+
 // TestStallWatchdogSparesASlowLink: each frame takes three stall timeouts
-// to go through, but the transport keeps delivering bytes (a slow link, as
-// Config.Progress reports it): the session is not cut.
+// to go through, but the transport keeps delivering bytes, four watchdog
+// steps per timeout (a slow link, as Config.Progress reports it): the
+// session is not cut. Without Progress the same session is cut.
 func TestStallWatchdogSparesASlowLink(t *testing.T) {
+	const st = 100 * time.Millisecond
+	for _, tc := range []struct {
+		name     string
+		progress func() uint64
+		wantCut  bool
+	}{
+		{"with progress", linkAt(stepsPerTimeout(4, st)), false},
+		{"without progress", nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := Pipe(1)
+			t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+			node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: st, Progress: tc.progress})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer node.Close()
+			stop := make(chan struct{})
+			defer close(stop)
+			const frames = 5
+			took := slowPeer(b, 3*st, frames, stop)
+			c, _ := node.Open(ConnectInfo{})
+			go c.Write(make([]byte, 1<<20)) // more frames than the pipe holds: Send blocks
+
+			select {
+			case n := <-took:
+				if tc.wantCut {
+					t.Fatalf("the peer took all %d frames; want the session cut", n)
+				}
+				if n != frames {
+					t.Fatalf("the peer took %d frames of %d: %v", n, frames, node.Err())
+				}
+			case <-node.Done():
+				if !tc.wantCut {
+					t.Fatalf("a slow link was cut: %v", node.Err())
+				}
+				if !errors.Is(node.Err(), ErrStalled) {
+					t.Fatalf("session ended with %v, want ErrStalled", node.Err())
+				}
+				return
+			case <-time.After(10 * time.Second):
+				t.Fatal("the slow peer did not finish")
+			}
+			if err := node.Err(); err != nil {
+				t.Fatalf("session failed: %v", err)
+			}
+		})
+	}
+}
+
+// TestStallWatchdogCutsBelowOneStepPerTimeout: the peer takes nothing while
+// the transport trickles a quarter of a watchdog step per stall timeout
+// (keepalive pings, window updates): that is no progress, and the session
+// is cut.
+func TestStallWatchdogCutsBelowOneStepPerTimeout(t *testing.T) {
+	const st = 100 * time.Millisecond
 	a, b := Pipe(1)
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	start := time.Now()
-	link := func() uint64 { return uint64(time.Since(start).Microseconds()) } // ~1 MB/s
-	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: 100 * time.Millisecond, Progress: link})
+	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: st, Progress: linkAt(stepsPerTimeout(0.25, st))})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer node.Close()
-	stop := make(chan struct{})
-	defer close(stop)
-	const frames = 5
-	took := slowPeer(b, 300*time.Millisecond, frames, stop)
-	c, _ := node.Open(ConnectInfo{})
-	go c.Write(make([]byte, 1<<20)) // more frames than the pipe holds: Send blocks
-
-	select {
-	case n := <-took:
-		if n != frames {
-			t.Fatalf("the peer took %d frames of %d: %v", n, frames, node.Err())
-		}
-	case <-node.Done():
-		t.Fatalf("a slow link was cut: %v", node.Err())
-	case <-time.After(10 * time.Second):
-		t.Fatal("the slow peer did not finish")
-	}
-	if err := node.Err(); err != nil {
-		t.Fatalf("session failed: %v", err)
-	}
-}
-
-// TestStallWatchdogIgnoresKeepaliveProgress: the peer takes nothing while
-// the transport moves a few bytes now and then (keepalive pings, window
-// updates): below one frame per stall timeout, that is no progress.
-func TestStallWatchdogIgnoresKeepaliveProgress(t *testing.T) {
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	var pings atomic.Uint64
-	trickle := func() uint64 { return pings.Add(17) } // a ping's worth per look
-	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: 100 * time.Millisecond, Progress: trickle})
-	if err != nil {
-		t.Fatal(err)
-	}
 	c, _ := node.Open(ConnectInfo{})
 	go c.Write(make([]byte, 1<<20))
 	select {
@@ -103,61 +136,117 @@ func TestStallWatchdogIgnoresKeepaliveProgress(t *testing.T) {
 	}
 }
 
-// TestProgressCredentialsReadTheSocket: over real gRPC on loopback, the
-// server finds a progress reader in the stream's peer AuthInfo, the client
-// in its credentials, and both count at least the bytes a session moved.
-func TestProgressCredentialsReadTheSocket(t *testing.T) {
-	if runtime.GOOS != "linux" {
-		t.Skip("TCP_INFO progress is linux-only")
-	}
+// progressPair connects a gRPC client and server on loopback, both with
+// ProgressCredentials and the tunnel's static windows, and returns each
+// end's stream and the progress reader found in its stream's context.
+func progressPair(t *testing.T) (server, client FrameStream, serverProgress, clientProgress func() uint64) {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := grpc.NewServer(grpc.Creds(ProgressCredentials(nil)), grpc.ForceServerCodecV2(tunnelpb.Codec{}))
+	srv := grpc.NewServer(grpc.Creds(ProgressCredentials(insecure.NewCredentials())),
+		grpc.ForceServerCodecV2(tunnelpb.Codec{}),
+		grpc.InitialWindowSize(GRPCWindowSize), grpc.InitialConnWindowSize(GRPCWindowSize))
 	ts := &progressServer{streams: make(chan serverSide, 1)}
 	tunnelpb.RegisterTunnelServer(srv, ts)
 	go srv.Serve(lis)
-	defer srv.Stop()
+	t.Cleanup(srv.Stop)
 
-	creds := ProgressCredentials(nil)
-	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(creds),
-		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
+	cc, err := grpc.NewClient(lis.Addr().String(),
+		grpc.WithTransportCredentials(ProgressCredentials(insecure.NewCredentials())),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
+		grpc.WithInitialWindowSize(GRPCWindowSize), grpc.WithInitialConnWindowSize(GRPCWindowSize))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cc.Close()
+	t.Cleanup(func() { cc.Close() })
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+	t.Cleanup(cancel)
 	st, err := tunnelpb.NewTunnelClient(cc).Connect(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var server serverSide
+	if p, ok := peer.FromContext(st.Context()); ok {
+		clientProgress = ProgressOf(p.AuthInfo)
+	}
+	var ss serverSide
 	select {
-	case server = <-ts.streams:
+	case ss = <-ts.streams:
 	case <-time.After(5 * time.Second):
 		t.Fatal("server never saw the stream")
 	}
-	defer server.stream.Close(nil)
-	if server.progress == nil {
-		t.Fatal("no progress reader in the server stream's AuthInfo")
-	}
-	clientProgress := creds.Progress()
+	t.Cleanup(func() { ss.stream.Close(nil) })
+	return ss.stream, GRPCStream(st, cancel), ss.progress, clientProgress
+}
 
-	node, err := NewSession(server.stream, Config{Role: RoleNode})
+// TestStallWatchdogCutsARealStall: over real gRPC on loopback, with the
+// socket's progress, a peer that stops reading the stream is still cut once
+// the stream window and the socket buffers are full.
+func TestStallWatchdogCutsARealStall(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("TCP_INFO progress is linux-only")
+	}
+	server, client, serverProgress, _ := progressPair(t)
+	if serverProgress == nil {
+		t.Fatal("no progress reader on the server side")
+	}
+	node, err := NewSession(server, Config{Role: RoleNode, StallTimeout: time.Second, Progress: serverProgress})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer node.Close()
-	agent, err := NewSession(GRPCStream(st, cancel), Config{Role: RoleAgent})
+	c, _ := node.Open(ConnectInfo{})
+	// The raw peer takes the Connect, grants a large window, then reads
+	// nothing more.
+	env := &tunnelpb.Envelope{}
+	if err := client.Recv(env); err != nil || env.Frame.GetConnect() == nil {
+		t.Fatalf("first frame: %v %v", env.Frame, err)
+	}
+	client.Send(&tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: env.Frame.GetConnect().GetConnId(), Increment: 1 << 30}}}})
+	go func() {
+		buf := make([]byte, 1<<20)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	}()
+	select {
+	case <-node.Done():
+	case <-time.After(20 * time.Second):
+		t.Fatalf("a peer that stopped reading was not cut (progress %d)", serverProgress())
+	}
+	if !errors.Is(node.Err(), ErrStalled) {
+		t.Fatalf("session ended with %v, want ErrStalled", node.Err())
+	}
+}
+
+// TestProgressCredentialsReadTheSocket: over real gRPC on loopback, each
+// end finds a progress reader in its stream's peer AuthInfo, and both count
+// at least the bytes a session moved.
+func TestProgressCredentialsReadTheSocket(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("TCP_INFO progress is linux-only")
+	}
+	server, client, serverProgress, clientProgress := progressPair(t)
+	if serverProgress == nil || clientProgress == nil {
+		t.Fatalf("progress readers: server %v, client %v", serverProgress != nil, clientProgress != nil)
+	}
+	node, err := NewSession(server, Config{Role: RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	agent, err := NewSession(client, Config{Role: RoleAgent})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer agent.Close()
 
 	const size = 1 << 20
-	serverBefore, clientBefore := server.progress(), clientProgress()
+	serverBefore, clientBefore := serverProgress(), clientProgress()
 	c, _ := node.Open(ConnectInfo{})
 	go func() { c.Write(make([]byte, size)); c.CloseWrite() }()
 	ac := accept(t, agent)
@@ -168,7 +257,7 @@ func TestProgressCredentialsReadTheSocket(t *testing.T) {
 	if n, err := drain(c); err != nil || n != size {
 		t.Fatalf("node read %d, %v", n, err)
 	}
-	if got := server.progress() - serverBefore; got < size {
+	if got := serverProgress() - serverBefore; got < size {
 		t.Errorf("server progress moved %d bytes, want at least %d", got, size)
 	}
 	if got := clientProgress() - clientBefore; got < size {

@@ -189,7 +189,7 @@ func (s *Session) drainAccept() {
 // ErrStalled ends a session whose stream took no frame for
 // Config.StallTimeout while frames waited (and, with Config.Progress, whose
 // transport delivered no data meanwhile).
-var ErrStalled = errors.New("tunnel stream stalled: the peer took no data within the stall timeout")
+var ErrStalled = errors.New("tunnel stream stalled: a send waited past the stall timeout while the connection moved no data")
 
 // maintain runs the stall watchdog and the window reclaim until the
 // session ends.
