@@ -25,14 +25,7 @@ func TestStallWatchdogCutsAPeerThatStopsReading(t *testing.T) {
 		other, _ := node.Open(ConnectInfo{})
 		go other.Write(make([]byte, 1<<20))
 	}
-	select {
-	case <-node.Done():
-	case <-time.After(5 * time.Second):
-		t.Fatal("a stalled stream was not cut")
-	}
-	if !errors.Is(node.Err(), ErrStalled) {
-		t.Fatalf("session ended with %v, want ErrStalled", node.Err())
-	}
+	waitStalled(t, node, 5*time.Second)
 	if _, err := c.Write([]byte("x")); !errors.Is(err, ErrSessionClosed) {
 		t.Fatalf("conn after stall: %v", err)
 	}
