@@ -16,6 +16,7 @@
 #   http  wrk -t2 -c64 -d5s GET / through the HTTP site      requests/s, Caddy+agent CPU us/req
 #   tcp   the same through the caddy-l4 route                 requests/s, Caddy+agent CPU us/req
 #   dl    one AB_SIZE download (512 MiB) through the HTTP site MB/s, Caddy+agent CPU s/GB
+#   par   8 concurrent downloads of AB_SIZE/8 each, the same    MB/s (aggregate), CPU s/GB
 #
 # and prints each round, then per load the median of A and of B, B/A, and in
 # how many rounds B beat A. On a shared 2-core machine one run of bench/http.sh
@@ -143,10 +144,20 @@ measure() {
 		t1=$(ticks "$side")
 		echo "$(calc %.0f "$v / 1e6") $(calc %.2f "($t1 - $t0) / $CLK_TCK / ($SIZE / 1e9)")"
 		;;
+	par)
+		local start=$EPOCHREALTIME i cps=()
+		for i in 1 2 3 4 5 6 7 8; do
+			curl -sS -o /dev/null --max-time 120 -H "Host: $HOST" "${HTTP_URL[$side]}/download?size=$((SIZE / 8))" &
+			cps+=($!)
+		done
+		for i in "${cps[@]}"; do wait "$i" || die "parallel download $side"; done
+		t1=$(ticks "$side")
+		echo "$(calc %.0f "$SIZE / 1e6 / ($EPOCHREALTIME - $start)") $(calc %.2f "($t1 - $t0) / $CLK_TCK / ($SIZE / 1e9)")"
+		;;
 	esac
 }
 
-loads=(http tcp dl)
+loads=(http tcp dl par)
 declare -A VAL CPU # VAL[load,side] / CPU[load,side]: space-separated per round
 log "A = $REV_A, B = $REV_B: $ROUNDS rounds of ${loads[*]} (wrk $WRK_AB, download $((SIZE >> 20)) MiB)"
 printf '%-5s %-5s %12s %10s %12s %10s\n' round load "A value" "A cpu" "B value" "B cpu"
@@ -183,15 +194,16 @@ wins() {
 
 echo
 echo "A = $REV_A, B = $REV_B; medians over $ROUNDS rounds (Caddy and agent CPU together)"
-printf '%-28s %10s %10s %7s %8s\n' metric A B B/A "B better"
+printf '%-30s %10s %10s %7s %8s\n' metric A B B/A "B better"
 for load in "${loads[@]}"; do
 	case $load in
 	http) name="HTTP small GET, req/s" cname="HTTP small GET, CPU us/req" ;;
 	tcp) name="TCP small GET, req/s" cname="TCP small GET, CPU us/req" ;;
 	dl) name="download, MB/s" cname="download, CPU s/GB" ;;
+	par) name="8 parallel downloads, MB/s" cname="8 parallel, CPU s/GB" ;;
 	esac
 	a=$(median ${VAL[$load,A]}) b=$(median ${VAL[$load,B]})
-	printf '%-28s %10s %10s %7s %8s\n' "$name" "$a" "$b" "$(calc %.3f "$b / $a")" "$(wins "${VAL[$load,A]}" "${VAL[$load,B]}" 1)"
+	printf '%-30s %10s %10s %7s %8s\n' "$name" "$a" "$b" "$(calc %.3f "$b / $a")" "$(wins "${VAL[$load,A]}" "${VAL[$load,B]}" 1)"
 	a=$(median ${CPU[$load,A]}) b=$(median ${CPU[$load,B]})
-	printf '%-28s %10s %10s %7s %8s\n' "$cname" "$a" "$b" "$(calc %.3f "$b / $a")" "$(wins "${CPU[$load,A]}" "${CPU[$load,B]}" 0)"
+	printf '%-30s %10s %10s %7s %8s\n' "$cname" "$a" "$b" "$(calc %.3f "$b / $a")" "$(wins "${CPU[$load,A]}" "${CPU[$load,B]}" 0)"
 done
