@@ -106,10 +106,11 @@ type Config struct {
 	// has drained and StallTimeout passed with nothing moving, which on a
 	// slow link is later than the timeout alone. Without Progress the
 	// blocked Send decides alone, and a link too slow to drain about one
-	// frame plus gRPC's write quota per StallTimeout is cut. The watchdog cannot see a peer that stops reading while the
-	// connections' credit still fits in the transport's buffers; those
-	// connections stall on their own credit alone. Default
-	// DefaultStallTimeout; negative turns the watchdog off.
+	// frame plus gRPC's write quota per StallTimeout is cut. The watchdog
+	// cannot see a peer that stops reading while the connections' credit
+	// still fits in the transport's buffers; those connections stall on
+	// their own credit alone. Default DefaultStallTimeout; negative turns
+	// the watchdog off.
 	StallTimeout time.Duration
 
 	// Progress, when set, reads how many bytes the transport under the

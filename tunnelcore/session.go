@@ -211,12 +211,13 @@ func (s *Session) maintain() {
 		case now := <-tick.C:
 			// The socket is read only while a Send is in progress: an idle
 			// session costs no syscall.
-			if s.sender.sendingSince.Load() != 0 {
+			since := s.sender.sendingSince.Load()
+			if since != 0 {
 				moved.observe(s.cfg.Progress, now)
 			} else {
 				moved = progressMark{}
 			}
-			if s.stalled(now, moved.at) {
+			if s.stalled(now, since, moved.at) {
 				s.cfg.Logger.Warn("tunnel stream stalled; failing the session",
 					zap.Duration("stall_timeout", s.cfg.StallTimeout), zap.Int64("queued_bytes", s.Stats().Queued))
 				s.CloseWithError(ErrStalled)
@@ -229,13 +230,13 @@ func (s *Session) maintain() {
 	}
 }
 
-// stalled reports whether a Send has been blocked past the stall timeout
-// while the transport moved less than stallProgressStep since movedAt (with
-// no Config.Progress, the blocked Send decides alone).
-func (s *Session) stalled(now, movedAt time.Time) bool {
+// stalled reports whether the Send in progress since sendingSince (unix
+// nanos, 0: none) has been blocked past the stall timeout while the
+// transport moved less than stallProgressStep since movedAt (with no
+// Config.Progress, the blocked Send decides alone).
+func (s *Session) stalled(now time.Time, sendingSince int64, movedAt time.Time) bool {
 	st := s.cfg.StallTimeout
-	since := s.sender.sendingSince.Load()
-	if st <= 0 || since == 0 || now.Sub(time.Unix(0, since)) <= st {
+	if st <= 0 || sendingSince == 0 || now.Sub(time.Unix(0, sendingSince)) <= st {
 		return false
 	}
 	return s.cfg.Progress == nil || now.Sub(movedAt) > st
