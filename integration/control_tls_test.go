@@ -2,9 +2,7 @@ package integration
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -70,19 +68,12 @@ func assertStallProgress(t *testing.T, c *caddyServer, agentLogs *observer.Obser
 // nodeStallProgress returns the stall_progress of the node's "agent
 // connected" line for agent id, or nil while there is none.
 func nodeStallProgress(t *testing.T, c *caddyServer, id string) *bool {
-	b, err := os.ReadFile(c.logPath)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		t.Fatalf("reading the Caddy log: %v", err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if !strings.Contains(line, `"agent connected"`) {
-			continue
-		}
+	for _, line := range c.logLines(t, "agent connected") {
 		var l struct {
 			Agent         string `json:"agent"`
 			StallProgress *bool  `json:"stall_progress"`
 		}
-		if err := json.Unmarshal([]byte(line), &l); err != nil {
+		if err := json.Unmarshal(line, &l); err != nil {
 			t.Fatalf("log line %q: %v", line, err)
 		}
 		if l.Agent == id && l.StallProgress != nil {

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -90,21 +91,32 @@ type streamLine struct {
 // streamLines parses the "stream closed" lines logged so far.
 func (c *caddyServer) streamLines(t testing.TB) []streamLine {
 	t.Helper()
+	var out []streamLine
+	for _, line := range c.logLines(t, "stream closed") {
+		var l streamLine
+		if err := json.Unmarshal(line, &l); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		out = append(out, l)
+	}
+	return out
+}
+
+// logLines returns the JSON lines of the captured Caddy log (CaptureLog)
+// whose message is msg.
+func (c *caddyServer) logLines(t testing.TB, msg string) [][]byte {
+	t.Helper()
 	b, err := os.ReadFile(c.logPath)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("reading the Caddy log: %v", err)
 	}
-	var out []streamLine
-	for _, line := range strings.Split(string(b), "\n") {
-		if !strings.Contains(line, `"stream closed"`) {
-			continue
+	var out [][]byte
+	for _, line := range bytes.Split(b, []byte("\n")) {
+		var l struct {
+			Msg string `json:"msg"`
 		}
-		var l streamLine
-		if err := json.Unmarshal([]byte(line), &l); err != nil {
-			t.Fatalf("log line %q: %v", line, err)
-		}
-		if l.Msg == "stream closed" {
-			out = append(out, l)
+		if json.Unmarshal(line, &l) == nil && l.Msg == msg {
+			out = append(out, line)
 		}
 	}
 	return out
