@@ -27,6 +27,10 @@ func init() {
 // h2c, keep-alive, timeouts, TLS to the upstream through the agent), except
 // HTTP/3 and proxy_protocol, which do not dial through a net.Conn.
 //
+// Unlike the http transport, it keeps up to DefaultMaxIdleConnsPerRoute
+// (256) idle connections per agent route unless
+// keep_alive.max_idle_conns_per_host says otherwise.
+//
 // Routes whose agent upstream sets force_http1 always get HTTP/1.1, also
 // when versions enable h2c or HTTP/2: the upstream behind them speaks
 // nothing else.
@@ -53,6 +57,7 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	if t.ProxyProtocol != "" {
 		return errors.New("sluice transport: proxy_protocol: set proxy_protocol on the agent's upstream instead")
 	}
+	defaultKeepAlive(&t.HTTPTransport)
 	if err := t.HTTPTransport.Provision(ctx); err != nil {
 		return err
 	}
@@ -73,6 +78,32 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	// Pooled connections of an ended session are useless: drop them.
 	app.node.watchSessions(t, t.closeIdleConnections)
 	return nil
+}
+
+// DefaultMaxIdleConnsPerRoute is the sluice transport's default for
+// keep_alive.max_idle_conns_per_host: how many idle upstream connections it
+// keeps per agent route (Caddy's http transport keeps 32 per host).
+//
+// A pooled virtual connection is cheap to keep (a few KiB on each end and an
+// idle socket on the agent) and dear to replace: a new one is a Connect
+// through the tunnel, a TCP dial by the agent, and a Close of the one it
+// replaces. With 64 concurrent clients and 32 kept, half the requests
+// opened a connection; keeping 256, bench/ab.sh measured 21% more small
+// requests per second through sluice and 17% less Caddy+agent CPU per
+// request (6 paired rounds). Idle ones still close after the transport's
+// idle timeout (keep_alive.idle_timeout, 2 min), and when the node reaches
+// max_connections.
+const DefaultMaxIdleConnsPerRoute = 256
+
+// defaultKeepAlive fills in the sluice transport's keep-alive default
+// before Caddy fills in its own; what the config sets is kept.
+func defaultKeepAlive(h *reverseproxy.HTTPTransport) {
+	if h.KeepAlive == nil {
+		h.KeepAlive = new(reverseproxy.KeepAlive)
+	}
+	if h.KeepAlive.MaxIdleConnsPerHost == 0 {
+		h.KeepAlive.MaxIdleConnsPerHost = DefaultMaxIdleConnsPerRoute
+	}
 }
 
 // http1Only returns a copy of rt (same dialer, timeouts and TLS settings)
