@@ -87,12 +87,15 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 // A pooled virtual connection is cheap to keep (a few KiB on each end and an
 // idle socket on the agent) and dear to replace: a new one is a Connect
 // through the tunnel, a TCP dial by the agent, and a Close of the one it
-// replaces. With 64 concurrent clients and 32 kept, half the requests
-// opened a connection; keeping 256, bench/ab.sh measured 21% more small
-// requests per second through sluice and 17% less Caddy+agent CPU per
-// request (6 paired rounds). Idle ones still close after the transport's
-// idle timeout (keep_alive.idle_timeout, 2 min), and when the node reaches
-// max_connections.
+// replaces, which leaves a TIME_WAIT socket on the agent's host. With 64
+// concurrent clients and 32 kept, wrk through sluice opened 1,300-1,650
+// upstream connections per 5 s (enough, at higher rates, to run the agent's
+// host out of ephemeral ports, caddy#938); with 256 kept, none. The CPU
+// saved is small on one host: over 8 paired rounds of bench/ab.sh, small
+// requests 4% faster. Idle ones still close after the transport's idle
+// timeout (keep_alive.idle_timeout, 2 min), and when the node reaches
+// max_connections. Caddy's maintainers weighed raising their own default
+// for busy proxies (caddy#7318).
 const DefaultMaxIdleConnsPerRoute = 256
 
 // defaultKeepAlive fills in the sluice transport's keep-alive default
