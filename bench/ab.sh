@@ -176,8 +176,6 @@ for r in $(seq 1 "$ROUNDS"); do
 	done
 done
 
-# median WORDS...: the median of the numbers.
-median() { printf '%s\n' "$@" | sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
 # wins A_WORDS B_WORDS BIGGER: rounds where B beat A (BIGGER=1: larger is better).
 wins() {
 	local -a a=($1) b=($2)
@@ -202,8 +200,8 @@ for load in "${loads[@]}"; do
 	dl) name="download, MB/s" cname="download, CPU s/GB" ;;
 	par) name="8 parallel downloads, MB/s" cname="8 parallel, CPU s/GB" ;;
 	esac
-	a=$(median ${VAL[$load,A]}) b=$(median ${VAL[$load,B]})
+	a=$(median_of ${VAL[$load,A]}) b=$(median_of ${VAL[$load,B]})
 	printf '%-30s %10s %10s %7s %8s\n' "$name" "$a" "$b" "$(calc %.3f "$b / $a")" "$(wins "${VAL[$load,A]}" "${VAL[$load,B]}" 1)"
-	a=$(median ${CPU[$load,A]}) b=$(median ${CPU[$load,B]})
+	a=$(median_of ${CPU[$load,A]}) b=$(median_of ${CPU[$load,B]})
 	printf '%-30s %10s %10s %7s %8s\n' "$cname" "$a" "$b" "$(calc %.3f "$b / $a")" "$(wins "${CPU[$load,A]}" "${CPU[$load,B]}" 0)"
 done

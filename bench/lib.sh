@@ -17,12 +17,15 @@ if [ "${BENCH_QUICK:-0}" = 1 ]; then
 	SINGLE_SIZE=$((64 << 20))
 	WRK_DURATION=3s
 	IDLE_N=100
+	ROUNDS=${BENCH_ROUNDS:-1}
 else
 	MODE=full
 	SINGLE_SIZE=$((1 << 30))
 	WRK_DURATION=10s
 	IDLE_N=500
+	ROUNDS=${BENCH_ROUNDS:-3}
 fi
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench: BENCH_ROUNDS must be a positive integer, not '$ROUNDS'" >&2; exit 1; }
 TTFB_RUNS=20
 # BENCH_GOMAXPROCS=N runs Caddy and the agent (not the upstream, the relay
 # or the clients) with GOMAXPROCS=N, every path alike.
@@ -286,10 +289,39 @@ warn() {
 	log "WARNING: $*"
 }
 
-# each_path LOAD: runs LOAD PATH for every path.
+# each_path LOAD: runs LOAD PATH for every path, ROUNDS times, the paths in
+# turn and in reverse order every other round (so drift of the machine
+# spreads over all of them), and keeps in R the median of each result over
+# the rounds. One pass over the paths takes seconds, and a shared 2-core
+# machine moves by ±15% between passes: a ratio of two paths measured in
+# different passes is only as good as that.
 each_path() {
-	local p
-	for p in "${paths[@]}"; do "$1" "$p"; done
+	local load=$1 r i p k
+	local -a order
+	local -A seen=()
+	for ((r = 1; r <= ROUNDS; r++)); do
+		order=()
+		for ((i = 0; i < ${#paths[@]}; i++)); do
+			if ((r % 2)); then order+=("${paths[i]}"); else order=("${paths[i]}" "${order[@]}"); fi
+		done
+		[ "$ROUNDS" = 1 ] || log "   round $r of $ROUNDS: ${order[*]}"
+		for p in "${order[@]}"; do "$load" "$p"; done
+		for k in "${!R[@]}"; do seen[$k]+="${R[$k]} "; done
+	done
+	for k in "${!seen[@]}"; do R[$k]=$(median_of ${seen[$k]}); done
+}
+
+# median_of WORD...: the median of the words when all are numbers, else the
+# last one (a "-" of a failed load stays visible). Equal words come back as
+# they are.
+median_of() {
+	local w same=1
+	for w in "$@"; do
+		[[ "$w" =~ ^-?[0-9.]+$ ]] || { echo "${@: -1}"; return; }
+		[ "$w" = "$1" ] || same=0
+	done
+	if [ "$same" = 1 ]; then echo "$1"; return; fi
+	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { printf "%.10g\n", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 
 # one big download
@@ -358,6 +390,7 @@ report_header() {
 	echo
 	echo "sluice $1 bench ($MODE): $(nproc) CPUs, $(go env GOVERSION), caddy $caddy_version, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 	echo "$2"
+	[ "$ROUNDS" = 1 ] || echo "every load ran $ROUNDS rounds over all paths (the path order reversed every other round); each figure is the median (BENCH_ROUNDS)"
 	[ -z "$PROCS_ENV" ] || echo "Caddy and the agent ran with $PROCS_ENV (BENCH_GOMAXPROCS)"
 	echo "load average before the loads: $LOAD_BEFORE; after: $(cut -d' ' -f1-3 /proc/loadavg)"
 	echo
