@@ -135,7 +135,7 @@ parallel() {
 	local p=$1 i t0 t1 total=0 code size t cp=()
 	t0=$(date +%s.%N)
 	for i in $(seq 1 "$PAR_N"); do
-		curl -s -o /dev/null --max-time 300 -H "Host: $HOST" \
+		"${PIN_PUBLIC[@]}" curl -s -o /dev/null --max-time 300 -H "Host: $HOST" \
 			-w '%{http_code} %{size_download} %{time_total}' \
 			"${URL[$p]}/download?size=$PAR_SIZE" >"$tmp/par.$p.$i" &
 		cp+=($!)
@@ -169,7 +169,7 @@ SEP="-------------------------------------+-----------+-----------+-----------+-
 COLUMNS=(direct caddy hop sluice sluice/caddy sluice/hop sluice/direct)
 BASE=caddy
 
-report_header HTTP "host header $HOST; every process on this machine shares its CPUs (clients included)"
+report_header HTTP "host header $HOST; $SHARING"
 printf "$FMT" metric direct caddy hop sluice sluice/caddy sluice/hop sluice/direct
 sep
 row single "1x $((SINGLE_SIZE >> 20)) MiB download, MB/s"
@@ -186,7 +186,7 @@ echo "hop = caddy reverse_proxy -> bench/tcprelay (a bare 256 KiB read/write loo
 echo "MB = 10^6 bytes; wrk -t2 -c64 -d$WRK_DURATION --latency; TTFB = curl time_starttransfer"
 
 echo
-echo "targets (sluice/caddy; informational):"
+echo "targets (sluice/caddy; informational${PIN_PUBLIC:+; set for shared CPUs, this run is pinned as two hosts}):"
 target "bulk: single download" single 0.7 sluice
 target "bulk: ${PAR_N}x parallel downloads" parallel 0.7 sluice
 target "small requests/s" rps 0.8 sluice

@@ -30,6 +30,26 @@ TTFB_RUNS=20
 # BENCH_GOMAXPROCS=N runs Caddy and the agent (not the upstream, the relay
 # or the clients) with GOMAXPROCS=N, every path alike.
 PROCS_ENV=${BENCH_GOMAXPROCS:+GOMAXPROCS=$BENCH_GOMAXPROCS}
+# BENCH_PIN=1 pins the processes as if on two hosts (taskset): the first
+# half of the CPUs is the public host (Caddy and the clients: curl, wrk,
+# idleconns), the second half the private one (the upstream, the agent, the
+# relay). On one shared machine the agent's CPU competes with Caddy's; in a
+# deployment it runs next to the upstream, not next to Caddy.
+PIN_PUBLIC=()
+PIN_PRIVATE=()
+if [ "${BENCH_PIN:-0}" = 1 ]; then
+	command -v taskset >/dev/null 2>&1 || { echo "bench: BENCH_PIN=1 needs taskset (util-linux)" >&2; exit 1; }
+	_ncpu=$(nproc)
+	[ "$_ncpu" -ge 2 ] || { echo "bench: BENCH_PIN=1 needs at least 2 CPUs" >&2; exit 1; }
+	PIN_PUBLIC=(taskset -c "0-$((_ncpu / 2 - 1))")
+	PIN_PRIVATE=(taskset -c "$((_ncpu / 2))-$((_ncpu - 1))")
+fi
+# SHARING describes, for the report, how the processes share the CPUs.
+if [ "${#PIN_PUBLIC[@]}" = 0 ]; then
+	SHARING="every process on this machine shares its CPUs (clients included)"
+else
+	SHARING="the processes are pinned as two hosts (see below)"
+fi
 HOST=app.test
 TOKEN=bench
 READY_TIMEOUT=30 # seconds, per component
@@ -141,7 +161,7 @@ wait_ok() {
 
 # start_upstream ADDR: the sample upstream on ADDR; sets UP_PID.
 start_upstream() {
-	"$tmp/upstream" -listen "$1" -name bench >"$tmp/upstream.log" 2>&1 &
+	"${PIN_PRIVATE[@]}" "$tmp/upstream" -listen "$1" -name bench >"$tmp/upstream.log" 2>&1 &
 	UP_PID=$!
 	pids+=("$UP_PID")
 }
@@ -149,7 +169,7 @@ start_upstream() {
 # start_relay LISTEN TO: bench/tcprelay from LISTEN to TO (the "one more
 # hop" reference path); sets RELAY_PID.
 start_relay() {
-	"$tmp/tcprelay" -listen "$1" -to "$2" >"$tmp/relay.log" 2>&1 &
+	"${PIN_PRIVATE[@]}" "$tmp/tcprelay" -listen "$1" -to "$2" >"$tmp/relay.log" 2>&1 &
 	RELAY_PID=$!
 	pids+=("$RELAY_PID")
 }
@@ -157,7 +177,7 @@ start_relay() {
 # start_caddy: runs $CADDY with $tmp/Caddyfile (storage in $tmp/storage); sets CADDY_PID.
 start_caddy() {
 	mkdir -p "$tmp/storage" "$tmp/xdg-data" "$tmp/xdg-config"
-	env XDG_DATA_HOME="$tmp/xdg-data" XDG_CONFIG_HOME="$tmp/xdg-config" $PROCS_ENV \
+	"${PIN_PUBLIC[@]}" env XDG_DATA_HOME="$tmp/xdg-data" XDG_CONFIG_HOME="$tmp/xdg-config" $PROCS_ENV \
 		"$CADDY" run --config "$tmp/Caddyfile" --adapter caddyfile >"$tmp/caddy.log" 2>&1 &
 	CADDY_PID=$!
 	pids+=("$CADDY_PID")
@@ -166,7 +186,7 @@ start_caddy() {
 # start_agent ARG...: sluice-agent on the control port with these extra
 # arguments (its -upstream flags); sets AGENT_PID.
 start_agent() {
-	env $PROCS_ENV "$tmp/sluice-agent" -server "grpc://127.0.0.1:$CONTROL_PORT" -token "$TOKEN" -id bench -log-level error \
+	"${PIN_PRIVATE[@]}" env $PROCS_ENV "$tmp/sluice-agent" -server "grpc://127.0.0.1:$CONTROL_PORT" -token "$TOKEN" -id bench -log-level error \
 		"$@" >"$tmp/agent.log" 2>&1 &
 	AGENT_PID=$!
 	pids+=("$AGENT_PID")
@@ -239,7 +259,7 @@ idle_pids=()
 idle_open() {
 	local name=$1 addr=$2 fifo=$tmp/idle.$1.in fd pid end=$((SECONDS + 60))
 	mkfifo "$fifo"
-	"$tmp/idleconns" -addr "$addr" -host "$HOST" -n "$IDLE_N" -hold 60s \
+	"${PIN_PUBLIC[@]}" "$tmp/idleconns" -addr "$addr" -host "$HOST" -n "$IDLE_N" -hold 60s \
 		<"$fifo" >"$tmp/idle.$name.out" 2>"$tmp/idle.$name.log" &
 	pid=$!
 	pids+=("$pid")
@@ -328,7 +348,7 @@ median_of() {
 single() {
 	local p=$1 out code size t
 	cpu_start
-	out=$(curl -s -o /dev/null --max-time 300 -H "Host: $HOST" \
+	out=$("${PIN_PUBLIC[@]}" curl -s -o /dev/null --max-time 300 -H "Host: $HOST" \
 		-w '%{http_code} %{size_download} %{time_total}' "${URL[$p]}/download?size=$SINGLE_SIZE" || true)
 	read -r code size t <<<"$out"
 	if [ "$code" != 200 ] || [ "$size" != "$SINGLE_SIZE" ]; then
@@ -343,7 +363,7 @@ single() {
 small() {
 	local p=$1 f=$tmp/wrk.$1 v n
 	cpu_start
-	wrk -t2 -c64 -d"$WRK_DURATION" --latency -H "Host: $HOST" "${URL[$p]}/" >"$f" 2>&1 ||
+	"${PIN_PUBLIC[@]}" wrk -t2 -c64 -d"$WRK_DURATION" --latency -H "Host: $HOST" "${URL[$p]}/" >"$f" 2>&1 ||
 		{ warn "$p: wrk failed: $(tail -n 3 "$f")"; return 0; }
 	n=$(awk '/requests in/ { print $1 }' "$f")
 	cpu_stop cpu_small "$p" "${n:-0} + 1" 1e6
@@ -363,7 +383,7 @@ ttfb() {
 	local p=$1 i out code t
 	: >"$tmp/ttfb.$p"
 	for i in $(seq 1 "$TTFB_RUNS"); do
-		out=$(curl -s -o /dev/null --max-time 10 -H "Host: $HOST" \
+		out=$("${PIN_PUBLIC[@]}" curl -s -o /dev/null --max-time 10 -H "Host: $HOST" \
 			-w '%{http_code} %{time_starttransfer}' "${URL[$p]}/" || true)
 		read -r code t <<<"$out"
 		[ "$code" = 200 ] || warn "$p: ttfb run $i: status $code"
@@ -392,6 +412,7 @@ report_header() {
 	echo "$2"
 	[ "$ROUNDS" = 1 ] || echo "every load ran $ROUNDS rounds over all paths (the path order reversed every other round); each figure is the median (BENCH_ROUNDS)"
 	[ -z "$PROCS_ENV" ] || echo "Caddy and the agent ran with $PROCS_ENV (BENCH_GOMAXPROCS)"
+	[ "${#PIN_PUBLIC[@]}" = 0 ] || echo "pinned as two hosts (BENCH_PIN): public CPUs ${PIN_PUBLIC[2]} (Caddy, clients), private CPUs ${PIN_PRIVATE[2]} (upstream, agent, relay)"
 	echo "load average before the loads: $LOAD_BEFORE; after: $(cut -d' ' -f1-3 /proc/loadavg)"
 	echo
 }

@@ -151,7 +151,7 @@ COLUMNS=(direct l4 hop sluice sluice/l4 sluice/hop sluice/direct port port/l4)
 BASE=l4
 CPU_IRQ=1
 
-report_header TCP "HTTP/1.1 (Host $HOST) over raw TCP relays; every process on this machine shares its CPUs (clients included)"
+report_header TCP "HTTP/1.1 (Host $HOST) over raw TCP relays; $SHARING"
 printf "$FMT" metric direct "l4 proxy" hop sluice sluice/l4 sluice/hop sluice/direct "(d) port" port/l4
 sep
 row single "1x $((SINGLE_SIZE >> 20)) MiB download, MB/s"
@@ -170,7 +170,7 @@ echo "caddy, agent, relay, upstream, the curl/wrk clients or interrupts (another
 echo "MB = 10^6 bytes; wrk -t2 -c64 -d$WRK_DURATION --latency; TTFB = curl time_starttransfer"
 
 echo
-echo "targets (sluice/l4; informational):"
+echo "targets (sluice/l4; informational${PIN_PUBLIC:+; set for shared CPUs, this run is pinned as two hosts}):"
 target "bulk: single download MB/s" single 0.6 sluice
 target "small requests/s" rps 0.6 sluice
 target "(d) port route: bulk, single download MB/s" single 0.6 port
