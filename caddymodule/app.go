@@ -81,7 +81,10 @@ type App struct {
 
 	// MaxConnections bounds the virtual connections open at once, HTTP and
 	// TCP. Past it, HTTP requests get 503 with Retry-After and TCP
-	// connections are closed. 0: ConnectionMemory / 293 KiB.
+	// connections are closed. Idle pooled upstream connections hold slots
+	// too; a connection that finds every slot taken first closes them and
+	// waits up to 250 ms for a slot of a closing connection. 0:
+	// ConnectionMemory / 293 KiB.
 	MaxConnections int64 `json:"max_connections,omitempty"`
 
 	// ConnectionMemory is the memory connections may take at their worst

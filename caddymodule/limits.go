@@ -1,9 +1,15 @@
 package caddymodule
 
 import (
-	"go.uber.org/zap"
+	"context"
+	"errors"
 	"net"
 	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 // addrLimiter counts what each client address holds (requests in flight,
@@ -132,7 +138,29 @@ func Stats() []NodeStats {
 	return out
 }
 
-// connLimitReached runs when an Open found every connection slot taken. The
-// idle pooled HTTP connections hold slots they would keep until the
-// transport's idle timeout: close them so the next dial finds one.
-func (n *node) connLimitReached() { n.closeIdleConns() }
+// slotReclaimWait bounds how long an Open that found every connection slot
+// taken waits for a slot of a closing connection to come back.
+const slotReclaimWait = 250 * time.Millisecond
+
+// open opens a virtual connection on sess. When every connection slot is
+// taken it does not refuse at once: idle pooled HTTP connections hold slots
+// they would keep until the transport's idle timeout, so it closes them,
+// and while any connection is closing (those, or others ending) it waits up
+// to slotReclaimWait for a slot to come back and tries again. A slot the
+// node is about to get back is no reason to refuse a client. With nothing
+// closing it returns tunnelcore.ErrConnLimit at once.
+func (n *node) open(ctx context.Context, sess *tunnelcore.Session, info tunnelcore.ConnectInfo) (*tunnelcore.Conn, error) {
+	c, err := sess.Open(info)
+	if !errors.Is(err, tunnelcore.ErrConnLimit) {
+		return c, err
+	}
+	n.closeIdleConns()
+	deadline := time.Now().Add(slotReclaimWait)
+	for n.slots.WaitFree(ctx, time.Until(deadline)) {
+		c, err = sess.Open(info)
+		if !errors.Is(err, tunnelcore.ErrConnLimit) {
+			return c, err
+		}
+	}
+	return nil, err
+}

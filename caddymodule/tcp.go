@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"context"
 	"errors"
 	"net"
 	"sync"
@@ -73,9 +74,8 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		LocalAddr:  client.LocalAddr().String(),
 		ServerName: serverName,
 	}
-	up, err := e.agent.sess.Open(info)
+	up, err := n.open(context.Background(), e.agent.sess, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
-		n.connLimitReached()
 		n.refuseTCP(client, "max_connections")
 		return ErrLimit
 	}

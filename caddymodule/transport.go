@@ -177,9 +177,8 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 			info.ServerName = r.TLS.ServerName
 		}
 	}
-	conn, err := e.agent.sess.Open(info)
+	conn, err := t.app.node.open(ctx, e.agent.sess, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
-		t.app.node.connLimitReached()
 		t.app.node.logLimit("http", "max_connections", info.RemoteAddr)
 		if x, ok := ctx.Value(exchangeKey{}).(*exchange); ok {
 			x.connLimited.Store(true)

@@ -64,11 +64,11 @@ type Conn struct {
 	closed      bool  // Close was called
 	aborted     bool  // ended by an error this end raised
 
-	slot         bool        // holds a Slots slot
-	slotReleased atomic.Bool // the slot was given back
-	lastConsume  time.Time   // when the reader last took bytes (under mu)
-	reclaiming   bool        // a reclaim request is outstanding (under mu)
-	reclaimed    bool        // reclaimed since the reader last took bytes: do not ask again (under mu)
+	slot        bool         // holds a Slots slot
+	slotState   atomic.Int32 // slotHeld, slotClosing or slotReleased
+	lastConsume time.Time    // when the reader last took bytes (under mu)
+	reclaiming  bool         // a reclaim request is outstanding (under mu)
+	reclaimed   bool         // reclaimed since the reader last took bytes: do not ask again (under mu)
 
 	// sender state, guarded by the sender's mutex
 	sq       fifo[*tunnelpb.Envelope]
@@ -92,9 +92,33 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 	}
 }
 
+// The states of a connection's slot: held while it runs, closing once it
+// began to end (Slots.Closing counts it), released once given back.
+const (
+	slotHeld int32 = iota
+	slotClosing
+	slotReleased
+)
+
+// markSlotClosing marks c's slot as about to come back (see Slots.WaitFree).
+func (c *Conn) markSlotClosing() {
+	if c.slot && c.slotState.CompareAndSwap(slotHeld, slotClosing) {
+		c.s.cfg.Slots.beginClosing()
+	}
+}
+
 func (c *Conn) releaseSlot() {
-	if c.slot && c.slotReleased.CompareAndSwap(false, true) {
+	if !c.slot {
+		return
+	}
+	switch c.slotState.Swap(slotReleased) {
+	case slotHeld:
 		c.s.cfg.Slots.Release()
+	case slotClosing:
+		// Release before endClosing: a waiter that sees no slot closing
+		// gives up, so the slot must be free by then.
+		c.s.cfg.Slots.Release()
+		c.s.cfg.Slots.endClosing()
 	}
 }
 

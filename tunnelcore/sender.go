@@ -98,6 +98,7 @@ func (s *Session) purge(c *Conn) {
 // finish marks c as ending: it leaves the session's table once its queued
 // frames have left the sender.
 func (s *Session) finish(c *Conn) {
+	c.markSlotClosing()
 	q := &s.sender
 	q.mu.Lock()
 	c.finished = true

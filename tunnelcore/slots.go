@@ -1,8 +1,11 @@
 package tunnelcore
 
 import (
+	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // ErrConnLimit is returned by Session.Open when the node's connection
@@ -16,6 +19,14 @@ var ErrConnLimit = errors.New("tunnel connection limit reached")
 type Slots struct {
 	limit atomic.Int64
 	used  atomic.Int64
+	// closing counts the slots of connections that have begun to end:
+	// they come back as soon as their last frames leave the sender.
+	closing atomic.Int64
+
+	// waiting counts WaitFree callers; Release signals them only then.
+	waiting  atomic.Int32
+	mu       sync.Mutex
+	released chan struct{} // closed by the next Release; nil when none waits
 }
 
 // NewSlots returns a limit of n connections; n <= 0 means no limit.
@@ -48,9 +59,86 @@ func (s *Slots) TryAcquire() bool {
 
 // Release gives a slot back.
 func (s *Slots) Release() {
-	if s != nil {
-		s.used.Add(-1)
+	if s == nil {
+		return
 	}
+	s.used.Add(-1)
+	if s.waiting.Load() > 0 {
+		s.mu.Lock()
+		if s.released != nil {
+			close(s.released)
+			s.released = nil
+		}
+		s.mu.Unlock()
+	}
+}
+
+// beginClosing counts a slot whose connection has begun to end;
+// endClosing undoes it once the slot is released.
+func (s *Slots) beginClosing() {
+	if s != nil {
+		s.closing.Add(1)
+	}
+}
+
+func (s *Slots) endClosing() {
+	if s != nil {
+		s.closing.Add(-1)
+	}
+}
+
+// Closing returns the slots whose connections are ending and will give
+// them back once their last frames are sent.
+func (s *Slots) Closing() int64 {
+	if s == nil {
+		return 0
+	}
+	return max(s.closing.Load(), 0)
+}
+
+// WaitFree reports whether a slot is free, waiting for one up to d (or
+// until ctx ends) only while some connection holding a slot is closing:
+// with none closing nothing would free a slot soon, and it returns false at
+// once. It takes no slot; the caller's Open does, and may still find a
+// slot taken by another caller first.
+func (s *Slots) WaitFree(ctx context.Context, d time.Duration) bool {
+	if !s.Full() {
+		return true
+	}
+	if s.Closing() == 0 || d <= 0 {
+		return false
+	}
+	s.waiting.Add(1)
+	defer s.waiting.Add(-1)
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	for {
+		// Take the signal before checking, so a Release between the check
+		// and the wait is not missed.
+		signal := s.releaseSignal()
+		if !s.Full() {
+			return true
+		}
+		if s.Closing() == 0 {
+			return false
+		}
+		select {
+		case <-signal:
+		case <-timer.C:
+			return !s.Full()
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
+func (s *Slots) releaseSignal() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.released == nil {
+		s.released = make(chan struct{})
+	}
+	return s.released
 }
 
 // InUse returns the slots taken.
