@@ -146,9 +146,11 @@ const slotReclaimWait = 250 * time.Millisecond
 // taken it does not refuse at once: idle pooled HTTP connections hold slots
 // they would keep until the transport's idle timeout, so it closes them,
 // and while any connection is closing (those, or others ending) it waits up
-// to slotReclaimWait for a slot to come back and tries again. A slot the
-// node is about to get back is no reason to refuse a client. With nothing
-// closing it returns tunnelcore.ErrConnLimit at once.
+// to slotReclaimWait for a slot to come back and tries again
+// (tunnelcore.Slots.WaitFree). A slot the node is about to get back is no
+// reason to refuse a client. With nothing closing, or as many callers
+// already waiting as slots coming back, it returns tunnelcore.ErrConnLimit
+// at once; otherwise a refusal comes at most slotReclaimWait later.
 func (n *node) open(ctx context.Context, sess *tunnelcore.Session, info tunnelcore.ConnectInfo) (*tunnelcore.Conn, error) {
 	c, err := sess.Open(info)
 	if !errors.Is(err, tunnelcore.ErrConnLimit) {
@@ -156,7 +158,7 @@ func (n *node) open(ctx context.Context, sess *tunnelcore.Session, info tunnelco
 	}
 	n.closeIdleConns()
 	deadline := time.Now().Add(slotReclaimWait)
-	for n.slots.WaitFree(ctx, time.Until(deadline)) {
+	for time.Now().Before(deadline) && n.slots.WaitFree(ctx, time.Until(deadline)) {
 		c, err = sess.Open(info)
 		if !errors.Is(err, tunnelcore.ErrConnLimit) {
 			return c, err

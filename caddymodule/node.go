@@ -173,9 +173,9 @@ func (n *node) sessionEnded() { n.closeIdleConns() }
 
 // closeIdleConns closes the idle keep-alive connections every transport
 // pools. Each holds a connection slot: they are closed when a session ends,
-// when max_connections refuses a connection (so pooled idle connections do
-// not starve new ones for the transport's idle timeout), and when the node
-// drains (they are not in flight).
+// when an Open finds every slot of max_connections taken (node.open: so
+// pooled idle connections do not starve new ones for the transport's idle
+// timeout), and when the node drains (they are not in flight).
 func (n *node) closeIdleConns() {
 	n.mu.Lock()
 	fns := make([]func(), 0, len(n.onSession))

@@ -102,8 +102,15 @@ const (
 
 // markSlotClosing marks c's slot as about to come back (see Slots.WaitFree).
 func (c *Conn) markSlotClosing() {
-	if c.slot && c.slotState.CompareAndSwap(slotHeld, slotClosing) {
-		c.s.cfg.Slots.beginClosing()
+	if !c.slot {
+		return
+	}
+	// Count first: counted after the state changed, a release in between
+	// would uncount it before it was counted, and a waiter would read no
+	// slot closing while this one is.
+	c.s.cfg.Slots.beginClosing()
+	if !c.slotState.CompareAndSwap(slotHeld, slotClosing) {
+		c.s.cfg.Slots.endClosing()
 	}
 }
 

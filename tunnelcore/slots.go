@@ -63,6 +63,11 @@ func (s *Slots) Release() {
 		return
 	}
 	s.used.Add(-1)
+	s.signal()
+}
+
+// signal wakes the WaitFree callers, if any, to look again.
+func (s *Slots) signal() {
 	if s.waiting.Load() > 0 {
 		s.mu.Lock()
 		if s.released != nil {
@@ -84,6 +89,7 @@ func (s *Slots) beginClosing() {
 func (s *Slots) endClosing() {
 	if s != nil {
 		s.closing.Add(-1)
+		s.signal() // a waiter that lost the slot to another sees none closing
 	}
 }
 
@@ -97,18 +103,22 @@ func (s *Slots) Closing() int64 {
 }
 
 // WaitFree reports whether a slot is free, waiting for one up to d (or
-// until ctx ends) only while some connection holding a slot is closing:
-// with none closing nothing would free a slot soon, and it returns false at
-// once. It takes no slot; the caller's Open does, and may still find a
-// slot taken by another caller first.
+// until ctx ends) only while some connection holding a slot is closing and
+// fewer callers wait than slots are coming back: with none closing nothing
+// would free a slot soon, and it returns false at once. It takes no slot;
+// the caller's Open does, and may still find a slot taken by another
+// caller first.
 func (s *Slots) WaitFree(ctx context.Context, d time.Duration) bool {
 	if !s.Full() {
 		return true
 	}
-	if s.Closing() == 0 || d <= 0 {
+	if d <= 0 {
 		return false
 	}
-	s.waiting.Add(1)
+	if n := s.waiting.Add(1); int64(n) > s.Closing() {
+		s.waiting.Add(-1)
+		return false
+	}
 	defer s.waiting.Add(-1)
 	timer := time.NewTimer(d)
 	defer timer.Stop()

@@ -2,6 +2,7 @@ package tunnelcore
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -83,6 +84,36 @@ func TestSlotsWaitFree(t *testing.T) {
 			t.Fatal("WaitFree = true after its context ended")
 		}
 	})
+	t.Run("no more waiters than slots coming back", func(t *testing.T) {
+		s := NewSlots(1)
+		s.TryAcquire()
+		s.beginClosing()
+		first := waitFreeAsync(context.Background(), s, time.Hour)
+		testwait.Until(t, 10*time.Second, "the first caller waiting", func() bool { return s.waiting.Load() == 1 })
+		if answer(t, waitFreeAsync(context.Background(), s, time.Hour)) {
+			t.Fatal("a second caller waits for the one slot coming back")
+		}
+		s.Release()
+		s.endClosing()
+		if !answer(t, first) {
+			t.Fatal("the first caller did not get the slot")
+		}
+	})
+	t.Run("a slot taken by another: gives up when none is closing", func(t *testing.T) {
+		s := NewSlots(1)
+		s.TryAcquire()
+		s.beginClosing()
+		ch := waitFreeAsync(context.Background(), s, time.Hour)
+		testwait.Until(t, 10*time.Second, "WaitFree waiting", func() bool { return s.waiting.Load() == 1 })
+		// The slot comes back and another Open takes it at once; the
+		// waiter must not sleep out its hour once nothing is closing.
+		s.used.Add(-1)
+		s.TryAcquire()
+		s.endClosing()
+		if answer(t, ch) {
+			t.Fatal("WaitFree = true with every slot taken")
+		}
+	})
 	t.Run("no limit", func(t *testing.T) {
 		var s *Slots
 		if !s.WaitFree(context.Background(), time.Hour) || !NewSlots(0).WaitFree(context.Background(), time.Hour) {
@@ -109,5 +140,27 @@ func TestClosingConnCountsUntilItsSlotIsBack(t *testing.T) {
 	c.markSlotClosing() // after the release: no effect
 	if slots.Closing() != 0 || slots.InUse() != 0 {
 		t.Fatalf("closing %d, in use %d after the release; want 0, 0", slots.Closing(), slots.InUse())
+	}
+}
+
+// TestClosingCountSurvivesRaces: marking slots closing while they are
+// released, from many goroutines, leaves no slot counted closing or in use.
+func TestClosingCountSurvivesRaces(t *testing.T) {
+	const n = 200
+	slots := NewSlots(n)
+	sess := &Session{cfg: Config{Slots: slots}}
+	var wg sync.WaitGroup
+	for range n {
+		if !slots.TryAcquire() {
+			t.Fatal("no slot")
+		}
+		c := &Conn{s: sess, slot: true}
+		wg.Add(2)
+		go func() { defer wg.Done(); c.markSlotClosing() }()
+		go func() { defer wg.Done(); c.releaseSlot() }()
+	}
+	wg.Wait()
+	if slots.Closing() != 0 || slots.closing.Load() != 0 || slots.InUse() != 0 {
+		t.Fatalf("closing %d, in use %d; want 0, 0", slots.closing.Load(), slots.InUse())
 	}
 }
