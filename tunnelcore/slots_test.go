@@ -16,6 +16,24 @@ func waitFreeAsync(ctx context.Context, s *Slots, d time.Duration) <-chan bool {
 	return out
 }
 
+// fullOneClosing returns a limit of one slot, taken by a connection that
+// is closing.
+func fullOneClosing() *Slots {
+	s := NewSlots(1)
+	s.TryAcquire()
+	s.beginClosing()
+	return s
+}
+
+// waitingCaller starts WaitFree and returns once it is waiting.
+func waitingCaller(t *testing.T, ctx context.Context, s *Slots, d time.Duration) <-chan bool {
+	t.Helper()
+	before := s.waiting.Load()
+	ch := waitFreeAsync(ctx, s, d)
+	testwait.Until(t, 10*time.Second, "WaitFree waiting", func() bool { return s.waiting.Load() == before+1 })
+	return ch
+}
+
 // answer waits for a WaitFree answer; the bound only keeps a broken
 // WaitFree from hanging the test.
 func answer(t *testing.T, ch <-chan bool) bool {
@@ -46,16 +64,8 @@ func TestSlotsWaitFree(t *testing.T) {
 		}
 	})
 	t.Run("a closing slot comes back", func(t *testing.T) {
-		s := NewSlots(1)
-		s.TryAcquire()
-		s.beginClosing()
-		ch := waitFreeAsync(context.Background(), s, time.Hour)
-		testwait.Until(t, 10*time.Second, "WaitFree waiting", func() bool { return s.waiting.Load() == 1 })
-		select {
-		case ok := <-ch:
-			t.Fatalf("WaitFree returned %v before the slot came back", ok)
-		default:
-		}
+		s := fullOneClosing()
+		ch := waitingCaller(t, context.Background(), s, time.Hour)
 		s.Release()
 		s.endClosing()
 		if !answer(t, ch) {
@@ -66,30 +76,22 @@ func TestSlotsWaitFree(t *testing.T) {
 		}
 	})
 	t.Run("bounded by its wait", func(t *testing.T) {
-		s := NewSlots(1)
-		s.TryAcquire()
-		s.beginClosing()
-		if answer(t, waitFreeAsync(context.Background(), s, 20*time.Millisecond)) {
+		if answer(t, waitFreeAsync(context.Background(), fullOneClosing(), 20*time.Millisecond)) {
 			t.Fatal("WaitFree = true with the slot never released")
 		}
 	})
 	t.Run("bounded by its context", func(t *testing.T) {
-		s := NewSlots(1)
-		s.TryAcquire()
-		s.beginClosing()
+		s := fullOneClosing()
 		ctx, cancel := context.WithCancel(context.Background())
-		ch := waitFreeAsync(ctx, s, time.Hour)
+		ch := waitingCaller(t, ctx, s, time.Hour)
 		cancel()
 		if answer(t, ch) {
 			t.Fatal("WaitFree = true after its context ended")
 		}
 	})
 	t.Run("no more waiters than slots coming back", func(t *testing.T) {
-		s := NewSlots(1)
-		s.TryAcquire()
-		s.beginClosing()
-		first := waitFreeAsync(context.Background(), s, time.Hour)
-		testwait.Until(t, 10*time.Second, "the first caller waiting", func() bool { return s.waiting.Load() == 1 })
+		s := fullOneClosing()
+		first := waitingCaller(t, context.Background(), s, time.Hour)
 		if answer(t, waitFreeAsync(context.Background(), s, time.Hour)) {
 			t.Fatal("a second caller waits for the one slot coming back")
 		}
@@ -100,11 +102,8 @@ func TestSlotsWaitFree(t *testing.T) {
 		}
 	})
 	t.Run("a slot taken by another: gives up when none is closing", func(t *testing.T) {
-		s := NewSlots(1)
-		s.TryAcquire()
-		s.beginClosing()
-		ch := waitFreeAsync(context.Background(), s, time.Hour)
-		testwait.Until(t, 10*time.Second, "WaitFree waiting", func() bool { return s.waiting.Load() == 1 })
+		s := fullOneClosing()
+		ch := waitingCaller(t, context.Background(), s, time.Hour)
 		// The slot comes back and another Open takes it at once; the
 		// waiter must not sleep out its hour once nothing is closing.
 		s.used.Add(-1)
