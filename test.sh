@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: builds Caddy with sluice (./xcaddy.sh) for the binary and
-# demo tests, then vet and the race-enabled test suite.
+# demo tests, then vet, the race-enabled test suite, and last, alone, the
+# smoke run of the bench scripts.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -15,3 +16,6 @@ echo "==> building Caddy with sluice (xcaddy)"
 OUTPUT="$PWD/caddy" ./xcaddy.sh
 echo "==> go test -race"
 SLUICE_CADDY_BIN="$PWD/caddy" go test -race -count=1 -timeout 20m ./... "$@"
+# The bench scripts load both CPUs; their smoke test runs alone, after the suite.
+echo "==> bench scripts (quick smoke run)"
+SLUICE_BENCH_SMOKE=1 SLUICE_CADDY_BIN="$PWD/caddy" go test -count=1 -timeout 10m -run '^TestBenchScriptsRun$' ./integration
