@@ -23,10 +23,11 @@ type Slots struct {
 	// they come back as soon as their last frames leave the sender.
 	closing atomic.Int64
 
-	// waiting counts WaitFree callers; Release signals them only then.
+	// waiting counts WaitFree callers; Release and endClosing signal them
+	// only then.
 	waiting  atomic.Int32
 	mu       sync.Mutex
-	released chan struct{} // closed by the next Release; nil when none waits
+	released chan struct{} // closed by the next signal (Release, endClosing); nil when none waits
 }
 
 // NewSlots returns a limit of n connections; n <= 0 means no limit.
