@@ -62,7 +62,7 @@ func TestBenchScriptsRun(t *testing.T) {
 			}
 			report := stdout.String()
 			for _, row := range tc.rows {
-				if v := sluiceColumn(report, row); !regexp.MustCompile(`^[0-9]+(\.[0-9]+)?$`).MatchString(v) {
+				if v := sluiceColumn(report, row); !benchNumber.MatchString(v) {
 					t.Errorf("%s: row %q: sluice column %q is not a number\n%s", tc.script, row, v, report)
 				}
 			}
@@ -72,6 +72,9 @@ func TestBenchScriptsRun(t *testing.T) {
 		})
 	}
 }
+
+// benchNumber is a figure of the bench report.
+var benchNumber = regexp.MustCompile(`^[0-9]+(\.[0-9]+)?$`)
 
 // sluiceColumn returns the cell of the "sluice" column in the report row
 // whose label is label ("" when there is no such row).

@@ -15,7 +15,6 @@ import (
 	"net/http/httptrace"
 	"os/exec"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -314,71 +313,18 @@ func echoWS(t testing.TB, ws *websocket.Conn, n int) {
 func TestIdleVirtualConnectionsAreReused(t *testing.T) {
 	const wave = 64
 	c := startCaddy(t, siteAll)
-	var mu sync.Mutex
-	opened := 0
-	arrived := 0
-	release := make(chan struct{})
-	up := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		// Hold every request of a wave until the whole wave is in, so the
-		// wave needs wave upstream connections at once.
-		mu.Lock()
-		arrived++
-		gate := release
-		if arrived%wave == 0 {
-			close(release)
-			release = make(chan struct{})
-		}
-		mu.Unlock()
-		select {
-		case <-gate:
-		case <-time.After(20 * time.Second):
-		}
-		io.WriteString(w, "ok")
-	}))
-	up.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			mu.Lock()
-			opened++
-			mu.Unlock()
-		}
-	}
-	up.Start()
-	t.Cleanup(up.Close)
-	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up.URL})
-
-	client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: wave}}
-	runWave := func() int {
-		mu.Lock()
-		before := opened
-		mu.Unlock()
-		var wg sync.WaitGroup
-		errs := make(chan error, wave)
-		for range wave {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				req, _ := http.NewRequest("GET", c.url("/"), nil)
-				req.Host = "app.test"
-				resp, err := client.Do(req)
-				if err != nil {
-					errs <- err
-					return
-				}
-				b, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				if resp.StatusCode != 200 || string(b) != "ok" {
-					errs <- fmt.Errorf("%d %q", resp.StatusCode, b)
-				}
-			}()
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Fatal(err)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		return opened - before
+	up := startLimHoldUpstream(t)
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
+	cl := limClient()
+	defer cl.CloseIdleConnections()
+	// Each wave is held at the upstream until all of it arrived, so it needs
+	// wave upstream connections at once.
+	runWave := func() int64 {
+		before := up.opened.Load()
+		out := limFill(t, c, cl, up, "hold.test", wave)
+		up.release()
+		limCollect(t, out, wave, http.StatusOK)
+		return up.opened.Load() - before
 	}
 	if n := runWave(); n != wave {
 		t.Fatalf("first wave opened %d upstream connections, want %d", n, wave)

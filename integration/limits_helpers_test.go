@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -49,7 +50,8 @@ func (c *caddyServer) mustStats(t testing.TB) caddymodule.NodeStats {
 // body and answers once its gate opens; / answers at once.
 type limHoldUpstream struct {
 	url     string
-	arrived chan string // the path of each request that reached a handler
+	arrived chan string  // the path of each request that reached a handler
+	opened  atomic.Int64 // connections accepted so far
 
 	mu   sync.Mutex
 	gate chan struct{}
@@ -85,7 +87,12 @@ func startLimHoldUpstream(t testing.TB) *limHoldUpstream {
 		w.Header().Set("Connection", "close")
 		io.WriteString(w, "released\n")
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+		ConnState: func(_ net.Conn, s http.ConnState) {
+			if s == http.StateNew {
+				h.opened.Add(1)
+			}
+		}}
 	go srv.Serve(ln)
 	t.Cleanup(func() {
 		h.release()
