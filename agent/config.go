@@ -38,13 +38,15 @@ type Config struct {
 	// CAFile (grpcs only) is a PEM CA bundle trusted instead of the system roots.
 	CAFile string `yaml:"ca_file"`
 	// Token is the bearer token the agent presents. After Validate it also
-	// holds the contents of TokenFile.
+	// holds the contents of TokenFile. Printable ASCII without spaces: it
+	// travels as a gRPC metadata value ("Bearer <token>").
 	Token string `yaml:"token"`
-	// TokenFile is read by Validate, trimmed of surrounding white space.
-	// Mutually exclusive with Token.
+	// TokenFile is read by Validate, trimmed of a leading UTF-8 byte order
+	// mark and of surrounding white space. Mutually exclusive with Token.
 	TokenFile string `yaml:"token_file"`
-	// ID is the agent id; Validate defaults it to "agent-" and 12 random hex
-	// digits, different for every Config.
+	// ID is the agent id, printable ASCII without spaces (it travels as a
+	// gRPC metadata value); Validate defaults it to "agent-" and 12 random
+	// hex digits, different for every Config.
 	ID string `yaml:"id"`
 	// Upstreams are the local services the agent serves; at least one.
 	Upstreams []Upstream `yaml:"upstreams"`
@@ -71,12 +73,18 @@ type Upstream struct {
 	// Name is the stable route name. Default: Host, HostPattern,
 	// ":<listen_port>", or "*" for the catch-all upstream.
 	Name string `yaml:"name"`
-	// Host is an exact host name, lowercased by Validate, without port.
-	// "*" is accepted as the catch-all and normalised to "".
+	// Host is an exact host name or IP address, without port, lowercased
+	// by Validate, which also removes the brackets around an IPv6 address
+	// (the node matches hosts without them). "*" is accepted as the
+	// catch-all and normalised to "".
 	Host string `yaml:"host"`
 	// HostPattern is an RE2 regexp that must match the whole host name.
+	// The node matches it against the lower-cased host, so it must be lower
+	// case unless it starts with (?i).
 	HostPattern string `yaml:"host_pattern"`
 	// Target is http://host:port, https://host:port or tcp://host:port.
+	// Validate rewrites it as scheme://host:port with a lower-case scheme,
+	// the form the node is sent.
 	Target string `yaml:"target"`
 	// RewriteHost is the Host header the upstream expects; empty keeps the
 	// client's.
@@ -94,15 +102,21 @@ type Upstream struct {
 	// ProxyProtocol is "", "v1" or "v2" (tcp:// targets only): the PROXY
 	// protocol header the agent sends to the upstream.
 	ProxyProtocol string `yaml:"proxy_protocol"`
-	// ForceHTTP1 marks an upstream that speaks HTTP/1.1 only: Caddy's
-	// sluice transport uses HTTP/1.1 for this route even when its versions
-	// enable h2c or HTTP/2.
+	// ForceHTTP1 marks an http:// upstream that speaks HTTP/1.1 only:
+	// Caddy's sluice transport uses HTTP/1.1 for this route even when its
+	// versions enable h2c or HTTP/2. It is always advertised for https://
+	// targets: the agent speaks to them over HTTP/1.1 (ALPN http/1.1)
+	// because the node chooses the HTTP version before the agent's TLS
+	// handshake could tell which one the upstream speaks. An HTTP/2-only
+	// TLS upstream, such as gRPC over TLS, is therefore not supported
+	// through an https:// target.
 	ForceHTTP1 bool `yaml:"force_http1"`
 	// AllowedCIDRs are the client prefixes allowed on this route; empty
-	// allows all.
+	// allows all. Validate rewrites them in canonical form.
 	AllowedCIDRs []string `yaml:"allowed_cidrs"`
 	// VerbatimIdleTimeout closes a verbatim-relayed connection idle this
-	// long; 0 keeps the node's default. YAML takes Go durations ("30s").
+	// long; 0 keeps the node's default, otherwise at least 1ms (the wire
+	// carries milliseconds). YAML takes Go durations ("30s").
 	VerbatimIdleTimeout time.Duration `yaml:"verbatim_idle_timeout"`
 
 	scheme   string         // parsed Target: http, https or tcp
@@ -329,7 +343,7 @@ func (c *Config) Validate() error {
 	}
 
 	// token
-	c.Token = strings.TrimSpace(c.Token)
+	c.Token = trimToken(c.Token)
 	switch {
 	case c.TokenFile != "" && c.Token != "" && (c.tokenFrom != c.TokenFile || c.tokenRead != c.Token):
 		fail("token", "token and token_file are mutually exclusive")
@@ -339,14 +353,23 @@ func (c *Config) Validate() error {
 			fail("token_file", "%v", err)
 			break
 		}
-		tok := strings.TrimSpace(string(data))
+		tok := trimToken(string(data))
 		if tok == "" {
 			fail("token_file", "%s is empty", c.TokenFile)
+			break
+		}
+		// The token itself is not quoted: it is a secret.
+		if err := checkMetadata(tok); err != nil {
+			fail("token_file", "%s: the token %v", c.TokenFile, err)
 			break
 		}
 		c.Token, c.tokenFrom, c.tokenRead = tok, c.TokenFile, tok
 	case c.Token == "":
 		fail("token", "required (set token or token_file)")
+	default:
+		if err := checkMetadata(c.Token); err != nil {
+			fail("token", "%v", err)
+		}
 	}
 
 	// id
@@ -355,8 +378,8 @@ func (c *Config) Validate() error {
 		c.ID = NewID()
 	} else if len(c.ID) > 128 {
 		fail("id", "longer than 128 bytes")
-	} else if strings.IndexFunc(c.ID, func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) >= 0 {
-		fail("id", "%q contains white space or control characters", c.ID)
+	} else if err := checkMetadata(c.ID); err != nil {
+		fail("id", "%q: %v", c.ID, err)
 	}
 
 	// log level, max connections
@@ -403,6 +426,24 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// trimToken removes a leading UTF-8 byte order mark (left by some editors
+// at the start of a token file) and surrounding white space.
+func trimToken(s string) string {
+	return strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(s), "\uFEFF"))
+}
+
+// checkMetadata accepts printable ASCII without spaces (0x21-0x7E): gRPC
+// refuses other bytes in metadata values, which would fail every attempt to
+// connect rather than stop the agent with a configuration error.
+func checkMetadata(s string) error {
+	for i, r := range s {
+		if r < 0x21 || r > 0x7e {
+			return fmt.Errorf("must be printable ASCII without spaces (found %U at byte %d)", r, i)
+		}
+	}
+	return nil
+}
+
 // routeKey identifies what the upstream routes, to detect two upstreams
 // claiming the same host, listen port or catch-all.
 func (u *Upstream) routeKey() (key, what string) {
@@ -435,7 +476,10 @@ func (u *Upstream) validate(field string) []error {
 	} else if scheme, hostport, err := parseURL(u.Target, "http, https or tcp", "http", "https", "tcp"); err != nil {
 		fail("target", "%v", err)
 	} else {
+		// The node reads the target it is sent (tcp:// marks a verbatim
+		// route), so it gets the normalised form.
 		u.scheme, u.hostport = scheme, hostport
+		u.Target = scheme + "://" + hostport
 	}
 	isTCP := u.scheme == "tcp"
 	haveTarget := u.scheme != ""
@@ -446,8 +490,12 @@ func (u *Upstream) validate(field string) []error {
 		u.Host = ""
 	}
 	if u.Host != "" {
-		if err := checkHostName(u.Host); err != nil {
+		if h, err := stripBrackets(u.Host); err != nil {
 			fail("host", "%v", err)
+		} else if err := checkHostName(h); err != nil {
+			fail("host", "%v", err)
+		} else {
+			u.Host = h
 		}
 	}
 	if u.HostPattern != "" {
@@ -455,9 +503,15 @@ func (u *Upstream) validate(field string) []error {
 			fail("host_pattern", "host and host_pattern are mutually exclusive")
 		}
 		re, err := compilePattern(u.HostPattern)
-		if err != nil {
+		switch {
+		case err != nil:
 			fail("host_pattern", "%v", err)
-		} else {
+		case strings.ToLower(u.HostPattern) != u.HostPattern && !strings.HasPrefix(u.HostPattern, "(?i)"):
+			// Telling an upper-case escape such as \D from an upper-case
+			// literal takes parsing the regexp; the node lower-cases hosts
+			// before matching, so an upper-case literal would never match.
+			fail("host_pattern", "%q must be lower case (hosts are matched lower-cased; start it with (?i) to keep upper-case escapes)", u.HostPattern)
+		default:
 			u.pattern = re
 		}
 	}
@@ -521,11 +575,17 @@ func (u *Upstream) validate(field string) []error {
 			fail(fmt.Sprintf("allowed_cidrs[%d]", j), "%v", err)
 			continue
 		}
+		u.AllowedCIDRs[j] = p.String()
 		u.prefixes = append(u.prefixes, p)
 	}
-	if u.VerbatimIdleTimeout < 0 {
+	switch {
+	case u.VerbatimIdleTimeout < 0:
 		fail("verbatim_idle_timeout", "must be >= 0, got %v", u.VerbatimIdleTimeout)
-	} else if u.VerbatimIdleTimeout > maxIdleTimeout {
+	case u.VerbatimIdleTimeout > 0 && u.VerbatimIdleTimeout < time.Millisecond:
+		// The wire carries whole milliseconds: less would be sent as 0,
+		// the node's default.
+		fail("verbatim_idle_timeout", "must be 0 or at least 1ms, got %v", u.VerbatimIdleTimeout)
+	case u.VerbatimIdleTimeout > maxIdleTimeout:
 		fail("verbatim_idle_timeout", "must be at most %v", maxIdleTimeout)
 	}
 
@@ -585,11 +645,24 @@ func parseURL(s, want string, schemes ...string) (scheme, hostport string, err e
 	return scheme, pu.Host, nil
 }
 
+// stripBrackets removes the brackets around an IPv6 address; brackets
+// around anything else are an error.
+func stripBrackets(h string) (string, error) {
+	if !strings.HasPrefix(h, "[") && !strings.HasSuffix(h, "]") {
+		return h, nil
+	}
+	inner := strings.TrimSuffix(strings.TrimPrefix(h, "["), "]")
+	if a, err := netip.ParseAddr(inner); err != nil || !a.Is6() || len(inner)+2 != len(h) {
+		return "", fmt.Errorf("%q: brackets are only allowed around an IPv6 address, without port", h)
+	}
+	return inner, nil
+}
+
 // checkHostName accepts lowercase DNS names (letters, digits, '-', '_'),
-// and IP addresses; no port.
+// and IP addresses without brackets; no port.
 func checkHostName(h string) error {
 	if strings.Contains(h, ":") {
-		if _, err := netip.ParseAddr(strings.Trim(h, "[]")); err == nil {
+		if _, err := netip.ParseAddr(h); err == nil {
 			return nil
 		}
 		return fmt.Errorf("%q: no port allowed (use the bare host name)", h)

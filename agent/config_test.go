@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -213,6 +214,7 @@ func TestValidateErrors(t *testing.T) {
 	ca := writeCA(t)
 	notPEM := writeFile(t, "ca.txt", "hello")
 	empty := writeFile(t, "token", " \n\t")
+	latin := writeFile(t, "token", "\ufeffs\u00e9cret\n")
 	up := func(c *Config) *Upstream { return &c.Upstreams[0] }
 	tests := []struct {
 		name   string
@@ -235,6 +237,13 @@ func TestValidateErrors(t *testing.T) {
 		{"token_file missing", func(c *Config) { c.Token = ""; c.TokenFile = "/nonexistent/token" }, "token_file: open /nonexistent/token"},
 		{"token_file empty", func(c *Config) { c.Token = ""; c.TokenFile = empty }, "token_file: " + empty + " is empty"},
 		{"id with space", func(c *Config) { c.ID = "a b" }, "id: "},
+		{"id not ASCII", func(c *Config) { c.ID = "büro-1" }, `id: "büro-1": must be printable ASCII without spaces (found U+00FC at byte 1)`},
+		{"id control", func(c *Config) { c.ID = "a\x7f" }, "id: "},
+		{"token not ASCII", func(c *Config) { c.Token = "s\u00e9cret" }, "token: must be printable ASCII without spaces (found U+00E9 at byte 1)"},
+		{"token with space", func(c *Config) { c.Token = "two words" }, "token: must be printable ASCII without spaces (found U+0020"},
+		{"token with BOM inside", func(c *Config) { c.Token = "a\ufeffb" }, "token: must be printable ASCII without spaces (found U+FEFF"},
+		{"token_file not ASCII", func(c *Config) { c.Token = ""; c.TokenFile = latin },
+			"token_file: " + latin + ": the token must be printable ASCII without spaces (found U+00E9 at byte 1)"},
 		{"id too long", func(c *Config) { c.ID = strings.Repeat("x", 129) }, "id: longer than 128"},
 		{"log_level", func(c *Config) { c.LogLevel = "verbose" }, `log_level: "verbose" not supported`},
 		{"max_connections", func(c *Config) { c.MaxConnections = -1 }, "max_connections: must be >= 0"},
@@ -252,8 +261,15 @@ func TestValidateErrors(t *testing.T) {
 		{"host with port", func(c *Config) { up(c).Host = "app.example.com:8080" }, "upstreams[0].host: \"app.example.com:8080\": no port allowed"},
 		{"host wildcard", func(c *Config) { up(c).Host = "*.example.com" }, "upstreams[0].host: "},
 		{"host empty label", func(c *Config) { up(c).Host = "a..b" }, "upstreams[0].host: "},
+		{"host brackets around a name", func(c *Config) { up(c).Host = "[app.example.com]" }, `upstreams[0].host: "[app.example.com]": brackets are only allowed around an IPv6 address`},
+		{"host brackets around IPv4", func(c *Config) { up(c).Host = "[10.0.0.1]" }, "upstreams[0].host: \"[10.0.0.1]\": brackets"},
+		{"host IPv6 with port", func(c *Config) { up(c).Host = "[::1]:80" }, "upstreams[0].host: \"[::1]:80\": brackets are only allowed around an IPv6 address, without port"},
+		{"host half bracket", func(c *Config) { up(c).Host = "::1]" }, "upstreams[0].host: "},
 		{"host and host_pattern", func(c *Config) { up(c).HostPattern = "a" }, "upstreams[0].host_pattern: host and host_pattern are mutually exclusive"},
 		{"host_pattern compile", func(c *Config) { up(c).Host = ""; up(c).HostPattern = "a(" }, "upstreams[0].host_pattern: error parsing regexp"},
+		{"host_pattern upper case", func(c *Config) { up(c).Host = ""; up(c).HostPattern = `App\.example\.com` },
+			`upstreams[0].host_pattern: "App\\.example\\.com" must be lower case (hosts are matched lower-cased`},
+		{"host_pattern upper-case escape", func(c *Config) { up(c).Host = ""; up(c).HostPattern = `\D+\.example\.com` }, "upstreams[0].host_pattern: "},
 		{"insecure_skip_verify http", func(c *Config) { up(c).InsecureSkipVerify = true }, "upstreams[0].insecure_skip_verify: only valid with an https:// target"},
 		{"tls_passthrough no host", func(c *Config) { c.Upstreams[1].Host = "" }, "upstreams[1].tls_passthrough: requires host or host_pattern"},
 		{"tls_passthrough http", func(c *Config) { c.Upstreams[1].Target = "http://a:1" }, "upstreams[1].tls_passthrough: requires a tcp:// target"},
@@ -271,6 +287,9 @@ func TestValidateErrors(t *testing.T) {
 		{"allowed_cidrs", func(c *Config) { up(c).AllowedCIDRs = []string{"10.0.0.0/8", "10.0.0.300/8"} }, "upstreams[0].allowed_cidrs[1]: "},
 		{"allowed_cidrs bare address", func(c *Config) { up(c).AllowedCIDRs = []string{"10.0.0.1"} }, "upstreams[0].allowed_cidrs[0]: "},
 		{"verbatim_idle_timeout negative", func(c *Config) { c.Upstreams[2].VerbatimIdleTimeout = -time.Second }, "upstreams[2].verbatim_idle_timeout: must be >= 0"},
+		{"verbatim_idle_timeout below 1ms", func(c *Config) { c.Upstreams[2].VerbatimIdleTimeout = 500 * time.Microsecond },
+			"upstreams[2].verbatim_idle_timeout: must be 0 or at least 1ms, got 500µs"},
+		{"verbatim_idle_timeout 1ns", func(c *Config) { c.Upstreams[2].VerbatimIdleTimeout = 1 }, "upstreams[2].verbatim_idle_timeout: must be 0 or at least 1ms"},
 		{"verbatim_idle_timeout huge", func(c *Config) { c.Upstreams[2].VerbatimIdleTimeout = 2000 * time.Hour }, "upstreams[2].verbatim_idle_timeout: must be at most"},
 		{"duplicate name", func(c *Config) { c.Upstreams[2].Name = "app.example.com" }, `upstreams[2].name: duplicate name "app.example.com" (also upstreams[0])`},
 		{"duplicate default name", func(c *Config) {
@@ -349,6 +368,44 @@ func TestValidateNormalises(t *testing.T) {
 	}
 }
 
+// What Validate leaves in the exported fields is what advertise sends the
+// node, which reads it without the agent's normalisation.
+func TestValidateStoresNormalisedValues(t *testing.T) {
+	c := validConfig()
+	c.Upstreams = []Upstream{
+		{Host: "db.example.com", Target: " TCP://127.0.0.1:5432/", TLSPassthrough: true},
+		{Host: "[::1]", Target: "HTTPS://[::1]:8443"},
+		{Host: "[FE80::1]", Target: "Http://Web.Local:80"},
+		{ListenPort: 16379, Target: "tcp://127.0.0.1:6379", VerbatimIdleTimeout: time.Millisecond,
+			AllowedCIDRs: []string{" 10.0.0.0/8", "2001:DB8::/32 ", "192.168.1.7/24"}},
+		{HostPattern: `(?i)App\.example\.com`, Target: "http://127.0.0.1:3001"},
+		{HostPattern: `[a-z]+\.example\.com`, Target: "http://127.0.0.1:3002"},
+	}
+	for round := range 2 { // a second Validate keeps the values
+		if err := c.Validate(); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		ups := c.Upstreams
+		for i, want := range []string{"tcp://127.0.0.1:5432", "https://[::1]:8443", "http://Web.Local:80"} {
+			if ups[i].Target != want {
+				t.Errorf("round %d: upstreams[%d].Target = %q, want %q", round, i, ups[i].Target, want)
+			}
+		}
+		if ups[1].Host != "::1" || ups[1].Name != "::1" || ups[2].Host != "fe80::1" {
+			t.Errorf("round %d: hosts %q (name %q) %q", round, ups[1].Host, ups[1].Name, ups[2].Host)
+		}
+		if want := []string{"10.0.0.0/8", "2001:db8::/32", "192.168.1.7/24"}; !slices.Equal(ups[3].AllowedCIDRs, want) {
+			t.Errorf("round %d: allowed_cidrs %q, want %q", round, ups[3].AllowedCIDRs, want)
+		}
+		if len(ups[3].Prefixes()) != 3 || ups[3].VerbatimIdleTimeout != time.Millisecond {
+			t.Errorf("round %d: prefixes %v timeout %v", round, ups[3].Prefixes(), ups[3].VerbatimIdleTimeout)
+		}
+		if re := ups[4].Pattern(); re == nil || !re.MatchString("app.example.com") {
+			t.Errorf("round %d: (?i) pattern %v", round, re)
+		}
+	}
+}
+
 func TestDefaultID(t *testing.T) {
 	re := regexp.MustCompile(`^agent-[0-9a-f]{12}$`)
 	seen := map[string]bool{}
@@ -384,6 +441,37 @@ func TestTokenFile(t *testing.T) {
 	// A token set after validation conflicts again.
 	c.Token = "other"
 	if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "token and token_file are mutually exclusive") {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+// Editors on Windows start text files with a byte order mark, which is not
+// white space and would make every metadata value invalid.
+func TestTokenByteOrderMark(t *testing.T) {
+	c := validConfig()
+	c.Token = ""
+	c.TokenFile = writeFile(t, "token", "\ufeffabc.def\r\n")
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if c.Token != "abc.def" {
+		t.Fatalf("Token from file = %q", c.Token)
+	}
+	c = validConfig()
+	c.Token = "\ufeff tok "
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if c.Token != "tok" {
+		t.Fatalf("Token = %q", c.Token)
+	}
+}
+
+func TestTokenErrorDoesNotShowToken(t *testing.T) {
+	c := validConfig()
+	c.Token = "secret-\u00e9-value"
+	err := c.Validate()
+	if err == nil || strings.Contains(err.Error(), "secret") {
 		t.Fatalf("err = %v", err)
 	}
 }

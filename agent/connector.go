@@ -67,8 +67,10 @@ func newConnector(cfg *Config, log *zap.Logger) *connector {
 			up.tls = &tls.Config{
 				ServerName:         upstreamServerName(u.RewriteHost, hostport),
 				InsecureSkipVerify: u.InsecureSkipVerify,
-				NextProtos:         []string{"http/1.1"},
-				MinVersion:         tls.VersionTLS12,
+				// The node chose the HTTP version before this handshake;
+				// routes to https targets are advertised force_http1.
+				NextProtos: []string{"http/1.1"},
+				MinVersion: tls.VersionTLS12,
 			}
 		}
 		c.upstreams[u.Name] = up

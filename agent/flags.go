@@ -141,9 +141,14 @@ func Usage(w io.Writer) {
 	fmt.Fprintf(w, "Usage: sluice-agent [flags]\n\nFlags:\n")
 	fs.PrintDefaults()
 	fmt.Fprintf(w, `
-Environment (overrides the config file; flags override the environment):
-  %s  %s  %s  %s  %s
-  %s  %s  %s  %s  %s
+Precedence: a setting given as a flag overrides the environment, which
+overrides the config file. Upstreams are combined instead: those of the
+config file, then those of %s, then the -upstream flags.
+
+Environment:
+  %s  %s  %s  %s
+  %s  %s  %s  %s
+  %s  %s  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -156,8 +161,11 @@ Upstream spec (-upstream, %s):
         allowed_cidrs (repeatable) verbatim_idle_timeout (e.g. 30s)
   short form: HOST=TARGET[,key=value...], e.g. app.example.com=http://127.0.0.1:3000
   catch-all:  *=TARGET
-`, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
-		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvUpstreams, EnvUpstreams)
+  https targets are always spoken to over HTTP/1.1 (force_http1 is implied),
+  so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
+  through an https:// target.
+`, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
+		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvUpstreams, EnvUpstreams)
 }
 
 type stringList []string
@@ -177,6 +185,18 @@ var specKeys = map[string]bool{
 	"insecure_skip_verify": true, "tls_passthrough": true, "force_http1": true,
 }
 
+// isWord reports whether s looks like a key name rather than a piece of a
+// regexp: a letter, then letters, digits, '_' or '-'.
+func isWord(s string) bool {
+	for i, r := range s {
+		letter := r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z'
+		if !letter && (i == 0 || !(r >= '0' && r <= '9' || r == '_' || r == '-')) {
+			return false
+		}
+	}
+	return s != ""
+}
+
 // ParseUpstream parses an upstream spec, the syntax of -upstream and
 // SLUICE_UPSTREAMS: comma-separated key=value pairs named like the YAML
 // fields (a '-' in a key is read as '_'), boolean keys possibly bare, e.g.
@@ -188,8 +208,11 @@ var specKeys = map[string]bool{
 // "app.example.com=http://127.0.0.1:3000", and "*=TARGET" is the catch-all.
 // allowed_cidrs may repeat and may list several prefixes separated by
 // spaces. A comma inside a host_pattern value (as in "a{1,3}") is kept when
-// the text after it is not itself a key=value pair. The result is not
-// validated.
+// the text after it has no '=' and is not a bare word (letters, digits,
+// '_' and '-', starting with a letter): any other key=value pair or bare
+// word must be a known key, so that a mistyped key ("rewrite_hots=x",
+// "insecure_skip_verfy") is reported instead of joining the pattern. The
+// result is not validated.
 func ParseUpstream(spec string) (Upstream, error) {
 	var u Upstream
 	fail := func(format string, args ...any) (Upstream, error) {
@@ -224,11 +247,11 @@ func ParseUpstream(spec string) (Upstream, error) {
 				seen["host"], seen["target"] = true, true
 				prev = "target"
 				continue
+			case hasVal || isWord(key):
+				return fail("unknown key %q", strings.TrimSpace(k))
 			case prev == "host_pattern":
 				u.HostPattern += "," + raw
 				continue
-			case hasVal:
-				return fail("unknown key %q", k)
 			default:
 				return fail("%q is not key=value", part)
 			}

@@ -34,6 +34,10 @@ func TestParseUpstream(t *testing.T) {
 		{"target=http://a:1,host_pattern=(a|b){2,}x",
 			Upstream{HostPattern: "(a|b){2,}x", Target: "http://a:1"}},
 		{"target=http://a:1,host=a,", Upstream{Host: "a", Target: "http://a:1"}},
+		{`host_pattern=[a-z]{1,3}\.example\.com,insecure_skip_verify,target=https://a:1`,
+			Upstream{HostPattern: `[a-z]{1,3}\.example\.com`, Target: "https://a:1", InsecureSkipVerify: true}},
+		{`target=http://a:1,host_pattern=[x,y]{2,}\.example\.com`,
+			Upstream{HostPattern: `[x,y]{2,}\.example\.com`, Target: "http://a:1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.spec, func(t *testing.T) {
@@ -61,6 +65,13 @@ func TestParseUpstreamErrors(t *testing.T) {
 		{"target=tcp://a:1,tls_passthrough=yes please", "tls_passthrough: invalid boolean"},
 		{"target=tcp://a:1,verbatim_idle_timeout=30", `verbatim_idle_timeout: invalid duration "30"`},
 		{"=http://a:1", "empty host"},
+		// A mistyped key after host_pattern is not part of the pattern.
+		{`target=https://127.0.0.1:8443,host_pattern=[a-z]+\.dev\.example\.com,rewrite_hots=dev.internal`, `unknown key "rewrite_hots"`},
+		{`host_pattern=a{1,3},target=https://a:1,insecure_skip_verfy`, `unknown key "insecure_skip_verfy"`},
+		{`target=http://a:1,host_pattern=[a-z]{1,3},Force-HTTP2`, `unknown key "Force-HTTP2"`},
+		{`target=http://a:1,host_pattern=a{1,3},x=y`, `unknown key "x"`},
+		{`target=http://a:1,host_pattern=a{1,3},3}=y`, `unknown key "3}"`},
+		{`target=http://a:1,host=a,tls_pasthrough`, `unknown key "tls_pasthrough"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.spec, func(t *testing.T) {
@@ -181,6 +192,8 @@ func TestParseFlagsErrors(t *testing.T) {
 		{"missing server", []string{"-upstream", "a=http://a:1"}, map[string]string{EnvToken: "t"}, []string{"server: required"}},
 		{"missing config file", nil, map[string]string{EnvConfig: "/nonexistent/agent.yaml"}, []string{"/nonexistent/agent.yaml"}},
 		{"bad env", []string{"-max-connections", "3"}, map[string]string{EnvMaxConnections: "x"}, []string{"SLUICE_MAX_CONNECTIONS"}},
+		{"id not ASCII", []string{"-id", "büro", "-upstream", "a=http://a:1"}, env, []string{`id: "büro": must be printable ASCII`}},
+		{"token not ASCII", []string{"-token", "s\u00e9cret", "-upstream", "a=http://a:1"}, env, []string{"token: must be printable ASCII"}},
 		{"token flags conflict", []string{"-token", "a", "-token-file", "/x", "-upstream", "a=http://a:1"}, env,
 			[]string{"token and token_file are mutually exclusive"}},
 	}
@@ -212,7 +225,9 @@ func TestParseFlagsHelp(t *testing.T) {
 			"Usage: sluice-agent", "-config", "-server", "-token-file", "-insecure", "-ca-file",
 			"-log-level", "-max-connections", "-upstream", "-id",
 			EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile,
-			EnvLogLevel, EnvMaxConnections, EnvUpstreams, "*=TARGET", "host=app.example.com,target=",
+			EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvUpstreams, "*=TARGET", "host=app.example.com,target=",
+			"a setting given as a flag overrides the environment", "Upstreams are combined instead",
+			"https targets are always spoken to over HTTP/1.1",
 		} {
 			if !strings.Contains(err.Error(), w) {
 				t.Errorf("%s: usage does not mention %q:\n%s", arg, w, err)

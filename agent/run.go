@@ -429,20 +429,24 @@ func (a *Agent) dialOptions() []grpc.DialOption {
 	}
 }
 
-// advertise is the Advertise frame for the configured upstreams.
+// advertise is the Advertise frame for the configured upstreams, sent as
+// Validate normalised them.
 func (a *Agent) advertise() *tunnelpb.Frame {
 	routes := make([]*tunnelpb.Route, 0, len(a.cfg.Upstreams))
 	for _, u := range a.cfg.Upstreams {
+		scheme, _ := u.TargetURL()
 		routes = append(routes, &tunnelpb.Route{
-			Name:                  u.Name,
-			Host:                  u.Host,
-			HostPattern:           u.HostPattern,
-			Target:                u.Target,
-			RewriteHost:           u.RewriteHost,
-			TlsPassthrough:        u.TLSPassthrough,
-			ListenPort:            uint32(u.ListenPort),
-			AllowedCidrs:          slices.Clone(u.AllowedCIDRs),
-			ForceHttp1:            u.ForceHTTP1,
+			Name:           u.Name,
+			Host:           u.Host,
+			HostPattern:    u.HostPattern,
+			Target:         u.Target,
+			RewriteHost:    u.RewriteHost,
+			TlsPassthrough: u.TLSPassthrough,
+			ListenPort:     uint32(u.ListenPort),
+			AllowedCidrs:   slices.Clone(u.AllowedCIDRs),
+			// The connector speaks HTTP/1.1 to https targets (see
+			// Upstream.ForceHTTP1): the node must not send HTTP/2.
+			ForceHttp1:            u.ForceHTTP1 || scheme == "https",
 			VerbatimIdleTimeoutMs: uint32(u.VerbatimIdleTimeout / time.Millisecond),
 		})
 	}

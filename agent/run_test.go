@@ -116,6 +116,64 @@ func TestAdvertiseAndHTTP(t *testing.T) {
 	}
 }
 
+// advertiseRoutes returns the routes advertise sends for ups.
+func advertiseRoutes(t *testing.T, ups ...Upstream) map[string]*tunnelpb.Route {
+	t.Helper()
+	a, err := New(testConfig("127.0.0.1:1", "secret", ups...), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	routes := map[string]*tunnelpb.Route{}
+	for _, r := range a.advertise().GetAdvertise().GetRoutes() {
+		routes[r.GetName()] = r
+	}
+	if len(routes) != len(ups) {
+		t.Fatalf("advertised %v", routes)
+	}
+	return routes
+}
+
+// The connector negotiates only http/1.1 with https targets, so a node
+// whose transport enables h2c must use HTTP/1.1 for them.
+func TestAdvertiseHTTPSForcesHTTP1(t *testing.T) {
+	routes := advertiseRoutes(t,
+		Upstream{Name: "tls", Host: "tls.test", Target: "https://127.0.0.1:8443"},
+		Upstream{Name: "TLS-upper", Host: "tls2.test", Target: "HTTPS://127.0.0.1:8443"},
+		Upstream{Name: "plain", Host: "plain.test", Target: "http://127.0.0.1:8080"},
+		Upstream{Name: "plain-h1", Host: "h1.test", Target: "http://127.0.0.1:8080", ForceHTTP1: true},
+		Upstream{Name: "raw", ListenPort: 2222, Target: "tcp://127.0.0.1:22"},
+	)
+	for name, want := range map[string]bool{"tls": true, "TLS-upper": true, "plain": false, "plain-h1": true, "raw": false} {
+		if got := routes[name].GetForceHttp1(); got != want {
+			t.Errorf("route %s: force_http1 = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// The node reads the advertised values without the agent's normalisation
+// (a "TCP://" target would not be recognised as verbatim).
+func TestAdvertiseNormalisedValues(t *testing.T) {
+	routes := advertiseRoutes(t,
+		Upstream{Name: "db", Host: "DB.example.com", Target: "TCP://127.0.0.1:5432/", TLSPassthrough: true},
+		Upstream{Name: "v6", Host: "[::1]", Target: "http://127.0.0.1:3000"},
+		Upstream{Name: "redis", ListenPort: 16379, Target: "tcp://127.0.0.1:6379", VerbatimIdleTimeout: 1500 * time.Microsecond,
+			AllowedCIDRs: []string{" 10.0.0.0/8", "2001:DB8::/32"}},
+	)
+	if r := routes["db"]; r.GetTarget() != "tcp://127.0.0.1:5432" || r.GetHost() != "db.example.com" {
+		t.Errorf("db = %v", r)
+	}
+	if r := routes["v6"]; r.GetHost() != "::1" {
+		t.Errorf("v6 = %v", r)
+	}
+	r := routes["redis"]
+	if got := r.GetAllowedCidrs(); len(got) != 2 || got[0] != "10.0.0.0/8" || got[1] != "2001:db8::/32" {
+		t.Errorf("allowed_cidrs %q", got)
+	}
+	if r.GetVerbatimIdleTimeoutMs() != 1 {
+		t.Errorf("verbatim_idle_timeout_ms %d", r.GetVerbatimIdleTimeoutMs())
+	}
+}
+
 func TestUnknownRouteRefused(t *testing.T) {
 	node := newFakeNode(t, "secret", nodeOptions{})
 	startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}))
