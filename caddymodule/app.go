@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -14,7 +15,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
-	"google.golang.org/grpc/credentials"
 
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -48,7 +48,11 @@ type App struct {
 	TokenFile string `json:"token_file,omitempty"`
 
 	// TLSCertFile and TLSKeyFile serve the control plane over TLS (agents
-	// then dial grpcs://). Both or neither.
+	// then dial grpcs://). Both or neither. A reload serves the files it
+	// names to new agent connections (a renewed certificate takes effect
+	// without dropping an agent); turning TLS on or off for a control
+	// address that is already listening is refused, since it needs a new
+	// listener: restart Caddy or use another listen address.
 	TLSCertFile string `json:"tls_cert_file,omitempty"`
 	TLSKeyFile  string `json:"tls_key_file,omitempty"`
 
@@ -129,6 +133,7 @@ type App struct {
 	DrainGrace caddy.Duration `json:"drain_grace,omitempty"`
 
 	token     string
+	cert      *tls.Certificate // the control plane's certificate; nil: plaintext
 	portRange portRange
 	node      *node
 	logger    *zap.Logger
@@ -141,6 +146,7 @@ type App struct {
 // rolled-back start can give the previous config's back.
 type nodeSettings struct {
 	token         *string
+	cert          *tls.Certificate
 	logger        *zap.Logger
 	budget, slots int64
 	opts          *nodeOptions
@@ -184,8 +190,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if a.portRange, err = parsePortRange(a.TCPPortRange); err != nil {
 		return fmt.Errorf("sluice: %w", err)
 	}
-	creds, err := a.transportCredentials()
-	if err != nil {
+	if a.cert, err = a.loadCertificate(); err != nil {
 		return err
 	}
 	na, err := caddy.ParseNetworkAddress(a.Listen)
@@ -204,13 +209,18 @@ func (a *App) Provision(ctx caddy.Context) error {
 		if !ok {
 			return nil, fmt.Errorf("sluice: listen: %s is not a stream address", a.Listen)
 		}
-		a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", creds != nil))
-		return newNode(na.String(), ln, creds, a.logger), nil
+		a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", a.cert != nil))
+		return newNode(na.String(), ln, a.cert, a.logger), nil
 	})
 	if err != nil {
 		return err
 	}
-	a.node = val.(*node)
+	a.node = val.(*node) // Cleanup releases it, also when Provision fails below
+	if a.node.tls != (a.cert != nil) {
+		return fmt.Errorf("sluice: tls_cert_file: the control plane on %s is already listening %s; "+
+			"turning TLS on or off needs a new listener (restart Caddy, or use another listen address)",
+			a.node.addr, map[bool]string{true: "with TLS", false: "in plaintext"}[a.node.tls])
+	}
 	return nil
 }
 
@@ -239,18 +249,19 @@ func (a *App) Validate() error {
 	return nil
 }
 
-func (a *App) transportCredentials() (credentials.TransportCredentials, error) {
+// loadCertificate reads the control plane's key pair; nil without one.
+func (a *App) loadCertificate() (*tls.Certificate, error) {
 	if a.TLSCertFile == "" && a.TLSKeyFile == "" {
 		return nil, nil
 	}
 	if a.TLSCertFile == "" || a.TLSKeyFile == "" {
 		return nil, errors.New("sluice: tls_cert_file and tls_key_file must be set together")
 	}
-	creds, err := credentials.NewServerTLSFromFile(a.TLSCertFile, a.TLSKeyFile)
+	cert, err := tls.LoadX509KeyPair(a.TLSCertFile, a.TLSKeyFile)
 	if err != nil {
 		return nil, fmt.Errorf("sluice: tls_cert_file/tls_key_file: %w", err)
 	}
-	return creds, nil
+	return &cert, nil
 }
 
 // resolveToken returns the configured token, or the generated one.
@@ -301,10 +312,11 @@ func (a *App) generatedToken() (string, error) {
 // Start hands this config's settings to the shared node.
 func (a *App) Start() error {
 	a.prev = nodeSettings{
-		token: a.node.token.Load(), logger: a.node.logger.Load(),
+		token: a.node.token.Load(), cert: a.node.cert.Load(), logger: a.node.logger.Load(),
 		budget: a.node.budget.Limit(), slots: a.node.slots.Limit(),
 	}
 	a.node.token.Store(&a.token)
+	a.node.cert.Store(a.cert)
 	a.node.logger.Store(a.logger)
 	lim := tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
 	a.node.budget.SetLimit(lim.Budget)
@@ -350,6 +362,7 @@ func (a *App) Stop() error {
 		return nil // a newer config took over (a normal reload)
 	}
 	a.node.token.Store(a.prev.token)
+	a.node.cert.Store(a.prev.cert)
 	a.node.logger.Store(a.prev.logger)
 	a.node.budget.SetLimit(a.prev.budget)
 	a.node.slots.SetLimit(a.prev.slots)

@@ -34,6 +34,10 @@ type Handler struct {
 
 	app    *App
 	logger *zap.Logger
+	// rpProvisioned: the embedded reverse_proxy got as far as making its
+	// connection table, which its Cleanup locks (a nil mutex panics, and a
+	// panic during a config load takes Caddy down).
+	rpProvisioned bool
 }
 
 // CaddyModule returns the Caddy module information.
@@ -75,7 +79,24 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.app = app
 	h.logger = ctx.Logger()
+	// reverse_proxy's Provision makes its connection table right after
+	// loading the events app; load that first so a failure there is ours.
+	if _, err := ctx.App("events"); err != nil {
+		return fmt.Errorf("sluice: getting events app: %w", err)
+	}
+	h.rpProvisioned = true
 	return h.Handler.Provision(ctx)
+}
+
+// Cleanup cleans up the embedded reverse_proxy if its Provision ran. Caddy
+// calls Cleanup after a failed Provision too: a config whose sluice app
+// fails to load (a bad token_file, a refused tls change) must be refused,
+// not crash the running server.
+func (h *Handler) Cleanup() error {
+	if !h.rpProvisioned {
+		return nil
+	}
+	return h.Handler.Cleanup()
 }
 
 // ServeHTTP answers 503 with a readable body when no agent serves the host,

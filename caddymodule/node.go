@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"context"
 	"crypto/subtle"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -58,7 +59,11 @@ type node struct {
 
 	logger atomic.Pointer[zap.Logger]
 	token  atomic.Pointer[string]
-	opts   atomic.Pointer[nodeOptions]
+	// tls is whether the control plane serves TLS, fixed when the listener
+	// is made; cert is the certificate it serves, which a reload replaces.
+	tls  bool
+	cert atomic.Pointer[tls.Certificate]
+	opts atomic.Pointer[nodeOptions]
 
 	// admitMu serialises route admissions (a session's first Advertise,
 	// a repeated one, and the re-admission when a reload changes the port
@@ -89,7 +94,7 @@ type nodeOptions struct {
 // nodeKey identifies a node in the pool.
 type nodeKey string
 
-func newNode(addr string, ln net.Listener, creds credentials.TransportCredentials, logger *zap.Logger) *node {
+func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Logger) *node {
 	n := &node{
 		addr:     addr,
 		listener: ln,
@@ -125,8 +130,18 @@ func newNode(addr string, ln net.Listener, creds credentials.TransportCredential
 	}
 	// The credentials also record each connection's socket progress, so
 	// the stall watchdog tells a stalled agent from a slow link.
-	if creds == nil {
-		creds = insecure.NewCredentials()
+	creds := insecure.NewCredentials()
+	if cert != nil {
+		n.tls = true
+		n.cert.Store(cert)
+		// Each handshake reads the certificate the current config
+		// stored, so a reload renews it without a new listener.
+		creds = credentials.NewTLS(&tls.Config{
+			MinVersion: tls.VersionTLS12,
+			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+				return n.cert.Load(), nil
+			},
+		})
 	}
 	opts = append(opts, grpc.Creds(tunnelcore.ProgressCredentials(creds)))
 	n.server = grpc.NewServer(opts...)

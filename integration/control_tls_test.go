@@ -1,8 +1,11 @@
 package integration
 
 import (
+	"bytes"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -81,4 +84,58 @@ func nodeStallProgress(t *testing.T, c *caddyServer, id string) *bool {
 		}
 	}
 	return nil
+}
+
+// TestTLSControlPlaneReload: a reload that names a renewed certificate
+// serves it to new agent connections without dropping the connected agent,
+// and a reload that would turn TLS off for a listening control plane is
+// refused with the field named, the running config going on.
+func TestTLSControlPlaneReload(t *testing.T) {
+	openssl := needCommand(t, "openssl")
+	certA, keyA, _ := selfSignedCert(t, openssl, "sluice-node-a", "localhost,IP:127.0.0.1")
+	certB, keyB, derB := selfSignedCert(t, openssl, "sluice-node-b", "localhost,IP:127.0.0.1")
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certA, keyA)}, siteAll)
+	up := startUpstream(t, "tls-app")
+	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
+	a := startAgentWith(t, serverURL, "tls-agent", func(cfg *agent.Config) { cfg.CAFile = certA },
+		agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	sessions := a.Sessions()
+
+	c.opts.Sluice = fmt.Sprintf("tls %s %s", certB, keyB)
+	c.load(siteAll)
+	if got := controlPlaneLeaf(t, c); !bytes.Equal(got, derB) {
+		t.Fatal("after the reload the control plane still serves the old certificate")
+	}
+	if a.Sessions() != sessions || a.State() != agent.StateConnected {
+		t.Fatalf("the certificate reload reconnected the agent: sessions %d→%d, state %v", sessions, a.Sessions(), a.State())
+	}
+	if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "tls-app") {
+		t.Fatalf("GET after the certificate reload: %d %q", code, body)
+	}
+
+	c.opts.Sluice = ""
+	err := c.tryLoadGlobal(c.opts.Global, siteAll)
+	if err == nil || !strings.Contains(err.Error(), "tls_cert_file") || !strings.Contains(err.Error(), "already listening with TLS") {
+		t.Fatalf("a reload turning TLS off: got %v, want an error naming tls_cert_file", err)
+	}
+	if got := controlPlaneLeaf(t, c); !bytes.Equal(got, derB) {
+		t.Fatal("the refused reload changed the served certificate")
+	}
+	if code, _ := get(t, c, "app.test", "/"); code != 200 || a.Sessions() != sessions {
+		t.Fatalf("after the refused reload: GET %d, agent sessions %d→%d", code, sessions, a.Sessions())
+	}
+}
+
+// controlPlaneLeaf is the DER certificate the control plane serves to a new
+// TLS connection.
+func controlPlaneLeaf(t *testing.T, c *caddyServer) []byte {
+	t.Helper()
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 5 * time.Second}, "tcp",
+		fmt.Sprintf("127.0.0.1:%d", c.controlPort), &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"h2"}})
+	if err != nil {
+		t.Fatalf("TLS to the control plane: %v", err)
+	}
+	defer conn.Close()
+	return conn.ConnectionState().PeerCertificates[0].Raw
 }

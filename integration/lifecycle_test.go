@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -127,5 +128,28 @@ func TestReloadKeepsInFlightDownloadAndWebSocket(t *testing.T) {
 	// And the tunnel still serves new requests under the new config.
 	if code, _ := get(t, c, "app.test", "/"); code != 200 {
 		t.Fatalf("after reload: %d", code)
+	}
+}
+
+// TestFailedReloadIsRefusedAndTheRunningConfigGoesOn: a reload whose sluice
+// app cannot load (its certificate file is missing) is refused with the field
+// named; Caddy does not crash on the way out (the sluice handler's Cleanup
+// runs after its failed Provision), and the agent and its route stay.
+func TestFailedReloadIsRefusedAndTheRunningConfigGoesOn(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	a := startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	sessions := a.Sessions()
+
+	missing := filepath.Join(t.TempDir(), "no-such")
+	err := c.tryLoadGlobal(fmt.Sprintf("\tsluice {\n\t\ttls %s.crt %s.key\n\t}", missing, missing), siteAll)
+	if err == nil || !strings.Contains(err.Error(), "tls_cert_file") || !strings.Contains(err.Error(), "no such file") {
+		t.Fatalf("reload with a missing certificate: got %v, want an error naming tls_cert_file", err)
+	}
+	if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "app") {
+		t.Fatalf("after the refused reload: %d %q", code, body)
+	}
+	if a.Sessions() != sessions || a.State() != agent.StateConnected {
+		t.Fatalf("the refused reload reconnected the agent: sessions %d→%d, state %v", sessions, a.Sessions(), a.State())
 	}
 }
