@@ -170,7 +170,7 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
 //	    stream_request_accept_types   <media types...>|off  # default text/event-stream
 //	    stream_path_prefixes          <prefixes...>
 //	    max_request_time              <duration>           # ordinary exchanges; default none
-//	    stream_max_request_time       <duration>           # streams; default none
+//	    stream_max_request_time       <duration>           # streams and upgrades; default none
 //	    stream_idle_timeout           <duration>           # silence between stream bytes
 //
 //	    ... (any other reverse_proxy subdirective)

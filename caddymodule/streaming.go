@@ -41,10 +41,13 @@ type StreamPolicy struct {
 
 	// MaxRequestTime is the whole-exchange deadline of ordinary requests
 	// (connecting, upload, waiting for headers, the response). 0: none.
+	// It ends when a protocol switch is answered (a WebSocket's 101, the
+	// 2xx to an HTTP/2 extended CONNECT): an upgraded connection is
+	// long-lived by nature, and StreamMaxRequestTime bounds it instead.
 	MaxRequestTime caddy.Duration `json:"max_request_time,omitempty"`
 
-	// StreamMaxRequestTime is the whole-exchange deadline of streams,
-	// counted from the request's start. 0: none.
+	// StreamMaxRequestTime is the whole-exchange deadline of streams and
+	// upgraded connections, counted from the request's start. 0: none.
 	StreamMaxRequestTime caddy.Duration `json:"stream_max_request_time,omitempty"`
 
 	// StreamIdleTimeout closes a stream whose upstream sent no byte for
@@ -121,6 +124,7 @@ const (
 	classPathPrefix  = "path_prefix"
 	classAccept      = "request_accept"
 	classContentType = "response_content_type"
+	classUpgrade     = "upgrade"
 
 	outcomeCompleted        = "completed"
 	outcomeClientDisconnect = "client_disconnect"
@@ -143,6 +147,7 @@ type exchange struct {
 	start    time.Time
 	cancel   context.CancelCauseFunc
 	expected string // classification before the response (path_prefix / request_accept)
+	connect  bool   // the request is a CONNECT: a 2xx answer switches protocols
 
 	mu        sync.Mutex
 	confirmed string // classification once the response confirmed a stream
@@ -177,10 +182,18 @@ func (x *exchange) armLocked(d time.Duration) {
 }
 
 // onResponse classifies the response when its headers are written.
-func (x *exchange) onResponse(h http.Header) {
+func (x *exchange) onResponse(code int, h http.Header) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	x.committed = true
+	if code == http.StatusSwitchingProtocols || (x.connect && code/100 == 2) {
+		// The bytes of an upgraded connection bypass this writer
+		// (reverse_proxy hijacks the client connection), so there is
+		// no idle bound to keep here, only the stream deadline.
+		x.confirmed = classUpgrade
+		x.armLocked(time.Duration(x.policy.StreamMaxRequestTime))
+		return
+	}
 	if !mediaTypeMatches(h.Get("Content-Type"), x.policy.responseTypes()) {
 		return // an Accept-only match with an ordinary response stays ordinary
 	}
@@ -236,7 +249,7 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	clientCtx := r.Context()
 	ctx, cancel := context.WithCancelCause(clientCtx)
 	defer cancel(nil)
-	x := &exchange{policy: p, start: time.Now(), cancel: cancel}
+	x := &exchange{policy: p, start: time.Now(), cancel: cancel, connect: r.Method == http.MethodConnect}
 	switch {
 	case pathPrefixMatches(r.URL.Path, p.StreamPathPrefixes):
 		x.expected = classPathPrefix
@@ -360,7 +373,7 @@ type policyWriter struct {
 func (w *policyWriter) WriteHeader(code int) {
 	if !w.wroteHeader && (code >= 200 || code == http.StatusSwitchingProtocols) {
 		w.wroteHeader = true
-		w.x.onResponse(w.Header())
+		w.x.onResponse(code, w.Header())
 	}
 	w.ResponseWriter.WriteHeader(code)
 }

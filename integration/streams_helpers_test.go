@@ -602,3 +602,23 @@ func startGRPCServer(t testing.TB) string {
 	t.Cleanup(s.Stop)
 	return ln.Addr().String()
 }
+
+// waitHostStreamLine waits (bounded) for the one "stream closed" line of a
+// request to host.
+func (c *caddyServer) waitHostStreamLine(t testing.TB, host string, within time.Duration) streamLine {
+	t.Helper()
+	var lines []streamLine
+	eventually(t, within, "a \"stream closed\" line for "+host, func() bool {
+		lines = lines[:0]
+		for _, l := range c.streamLines(t) {
+			if l.Host == host {
+				lines = append(lines, l)
+			}
+		}
+		return len(lines) > 0
+	})
+	if len(lines) != 1 {
+		t.Fatalf("%d \"stream closed\" lines for %s, want exactly one: %+v", len(lines), host, lines)
+	}
+	return lines[0]
+}

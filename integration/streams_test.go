@@ -762,3 +762,61 @@ func TestSSESoak(t *testing.T) {
 		}
 	}
 }
+
+// upgradeSites: one host bounds ordinary requests only, the other bounds
+// streams too.
+const upgradeSites = `http://ws.test:{HTTP} {
+	sluice {
+		max_request_time 300ms
+	}
+}
+
+http://wsb.test:{HTTP} {
+	sluice {
+		max_request_time 300ms
+		stream_max_request_time 1s
+	}
+}`
+
+// TestUpgradedConnectionsOutliveMaxRequestTime: max_request_time bounds an
+// ordinary exchange, not a WebSocket once its 101 is out; the stream
+// deadline bounds the WebSocket instead, and the close is logged as an
+// upgrade.
+func TestUpgradedConnectionsOutliveMaxRequestTime(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true, CaptureLog: true}, upgradeSites)
+	up := startUpstream(t, "app")
+	startAgent(t, c.serverURL(), "agent-ws", agent.Upstream{Host: "*", Target: up})
+
+	t.Run("max_request_time does not cut a WebSocket", func(t *testing.T) {
+		ws := dialWS(t, c, "ws.test")
+		defer ws.CloseNow()
+		opened := time.Now()
+		for time.Since(opened) < 1200*time.Millisecond { // four times the 300ms deadline
+			echoWS(t, ws, 1)
+		}
+		ws.Close(websocket.StatusNormalClosure, "")
+		line := c.waitHostStreamLine(t, "ws.test", 10*time.Second)
+		if line.Classification != "upgrade" || line.Outcome != "completed" {
+			t.Fatalf("stream line %+v, want classification upgrade, outcome completed", line)
+		}
+	})
+
+	t.Run("stream_max_request_time cuts a WebSocket", func(t *testing.T) {
+		ws := dialWS(t, c, "wsb.test")
+		defer ws.CloseNow()
+		opened := time.Now()
+		echoWS(t, ws, 1)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, _, err := ws.Read(ctx); err == nil || ctx.Err() != nil {
+			t.Fatalf("read on a WebSocket past stream_max_request_time: %v (context %v), want the connection cut", err, ctx.Err())
+		}
+		if held := time.Since(opened); held < 900*time.Millisecond {
+			t.Fatalf("the WebSocket was cut after %v, before its 1s stream deadline", held)
+		}
+		line := c.waitHostStreamLine(t, "wsb.test", 10*time.Second)
+		if line.Classification != "upgrade" || line.Outcome != "exchange_timeout" {
+			t.Fatalf("stream line %+v, want classification upgrade, outcome exchange_timeout", line)
+		}
+	})
+}
