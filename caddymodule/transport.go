@@ -12,6 +12,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/sluice-tunnel/sluice/tunnelcore"
@@ -23,9 +24,19 @@ func init() {
 
 // Transport is Caddy's HTTP transport with its dialer replaced: every
 // connection to an upstream is a virtual connection on the agent session the
-// upstream names. All of the http transport's options apply (versions,
-// h2c, keep-alive, timeouts, TLS to the upstream through the agent), except
-// HTTP/3 and proxy_protocol, which do not dial through a net.Conn.
+// upstream names. The http transport's options apply (versions, h2c,
+// keep-alive, timeouts, TLS to the upstream through the agent), except those
+// about dialing a socket, which the agent does: HTTP/3, proxy_protocol,
+// dial_timeout, resolvers, local_address, dial_fallback_delay and
+// keepalive_interval are refused. A virtual connection opens at once; the
+// agent dials the upstream (within 10 s) and a failure there is a 502.
+//
+// With tls, the upstream is reached through the agent's tcp:// route and
+// the request's Host is kept (the http transport would set the dial
+// address, which names an agent session). The TLS server name is
+// tls_server_name (placeholders allowed), or else the request's host; a
+// host_pattern or catch-all route pools connections per route, not per
+// host, so give it a tls_server_name when its hosts need distinct names.
 //
 // Unlike the http transport, it keeps up to DefaultMaxIdleConnsPerRoute
 // (256) idle connections per agent route unless
@@ -57,6 +68,9 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	if t.ProxyProtocol != "" {
 		return errors.New("sluice transport: proxy_protocol: set proxy_protocol on the agent's upstream instead")
 	}
+	if err := refuseSocketOptions(&t.HTTPTransport); err != nil {
+		return err
+	}
 	defaultKeepAlive(&t.HTTPTransport)
 	if err := t.HTTPTransport.Provision(ctx); err != nil {
 		return err
@@ -71,14 +85,87 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	// HTTP proxy from the environment.
 	rt.Proxy = nil
 	rt.DialContext = t.dial
-	rt.DialTLSContext = nil // net/http then does TLS over our dialer
+	rt.DialTLSContext = nil
+	if rt.TLSClientConfig != nil && t.TLS != nil {
+		rt.DialTLSContext = t.dialTLS(rt)
+	}
 	if slices.Contains(t.Versions, "2") || slices.Contains(t.Versions, "h2c") {
 		t.h1 = http1Only(rt)
+		if rt.DialTLSContext != nil {
+			t.h1.DialTLSContext = t.dialTLS(t.h1)
+		}
 	}
 	// Pooled connections of an ended session are useless: drop them.
 	app.node.watchSessions(t, t.closeIdleConnections)
 	return nil
 }
+
+// refuseSocketOptions fails for http transport options about dialing a
+// socket: the agent dials the upstream, so they would be silently ignored.
+func refuseSocketOptions(h *reverseproxy.HTTPTransport) error {
+	refused := func(option string) error {
+		return fmt.Errorf("sluice transport: %s: not applicable, the agent dials the upstream (set it on the agent's host)", option)
+	}
+	switch {
+	case h.DialTimeout != 0:
+		return refused("dial_timeout")
+	case h.Resolver != nil:
+		return refused("resolvers")
+	case h.LocalAddress != "":
+		return refused("local_address")
+	case h.FallbackDelay != 0:
+		return refused("dial_fallback_delay")
+	case h.KeepAlive != nil && h.KeepAlive.ProbeInterval != 0:
+		return errors.New("sluice transport: keepalive_interval: not applicable, a virtual connection has no TCP socket (the tunnel's gRPC keepalive watches the link)")
+	}
+	return nil
+}
+
+// dialTLS returns rt's TLS dialer: a virtual connection, then the TLS
+// handshake with the upstream through it. The server name is
+// tls_server_name with its placeholders replaced, or else the request's
+// host: the dial address names an agent session, not the upstream.
+func (t *Transport) dialTLS(rt *http.Transport) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		conn, err := t.dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		cfg := rt.TLSClientConfig.Clone()
+		repl, _ := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		switch {
+		case repl != nil && cfg.ServerName != "":
+			cfg.ServerName = repl.ReplaceAll(cfg.ServerName, "")
+		case repl != nil:
+			cfg.ServerName = repl.ReplaceAll("{http.request.host}", "")
+		}
+		if caddyhttp.GetVar(ctx, tlsH1OnlyVar) == true {
+			cfg.NextProtos = nil // as net/http does for a request that must stay HTTP/1.1
+		}
+		if rt.TLSHandshakeTimeout > 0 {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, rt.TLSHandshakeTimeout)
+			defer cancel()
+		}
+		tc := tls.Client(conn, cfg)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			_ = tc.Close()
+			return nil, fmt.Errorf("sluice: TLS handshake with the upstream (server name %q): %w", cfg.ServerName, err)
+		}
+		return tc, nil
+	}
+}
+
+// tlsH1OnlyVar is the request variable reverse_proxy sets for a request
+// that must use HTTP/1.1 over TLS (a WebSocket over an HTTP/2 client
+// connection); its own TLS dialer honours it the same way.
+const tlsH1OnlyVar = "reverse_proxy.tls_h1_only"
+
+// RequestHeaderOps implements reverseproxy.RequestHeaderOpsTransport. The
+// http transport sets Host to the dial address when TLS is on, which here
+// names an agent session: the client's Host is kept instead (the agent's
+// rewrite_host still applies).
+func (t *Transport) RequestHeaderOps() *headers.HeaderOps { return nil }
 
 // DefaultMaxIdleConnsPerRoute is the sluice transport's default for
 // keep_alive.max_idle_conns_per_host: how many idle upstream connections it
@@ -211,4 +298,6 @@ var (
 	_ caddy.CleanerUpper    = (*Transport)(nil)
 	_ http.RoundTripper     = (*Transport)(nil)
 	_ caddyfile.Unmarshaler = (*Transport)(nil)
+
+	_ reverseproxy.RequestHeaderOpsTransport = (*Transport)(nil)
 )

@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
@@ -32,6 +33,38 @@ func TestDefaultKeepAliveKeepsWhatTheConfigSets(t *testing.T) {
 			}
 			if tr.KeepAlive.IdleConnTimeout != idle {
 				t.Errorf("idle_timeout changed from %v to %v", idle, tr.KeepAlive.IdleConnTimeout)
+			}
+		})
+	}
+}
+
+// TestTransportRefusesSocketOptions: options about dialing a socket would be
+// silently ignored (the agent dials), so they fail the config with the
+// option named; the other http transport options are accepted.
+func TestTransportRefusesSocketOptions(t *testing.T) {
+	for _, tc := range []struct {
+		option, want string
+	}{
+		{"dial_timeout 5s", "dial_timeout"},
+		{"dial_fallback_delay 300ms", "dial_fallback_delay"},
+		{"local_address 127.0.0.1", "local_address"},
+		{"resolvers 1.1.1.1", "resolvers"},
+		{"keepalive_interval 10s", "keepalive_interval"},
+		{"response_header_timeout 5s", ""},
+		{"keepalive 90s", ""},
+		{"versions h2c", ""},
+	} {
+		t.Run(tc.option, func(t *testing.T) {
+			var tr Transport
+			if err := tr.UnmarshalCaddyfile(caddyfile.NewTestDispenser("sluice {\n\t" + tc.option + "\n}")); err != nil {
+				t.Fatal(err)
+			}
+			err := refuseSocketOptions(&tr.HTTPTransport)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want+":")):
+				t.Fatalf("got %v, want an error naming %s", err, tc.want)
 			}
 		})
 	}

@@ -335,3 +335,60 @@ func TestIdleVirtualConnectionsAreReused(t *testing.T) {
 		t.Fatalf("second wave opened %d upstream connections: the idle ones were not kept", n)
 	}
 }
+
+// tlsSites: TLS from Caddy to the upstream through the agent's tcp:// route,
+// with the default server name, a placeholder, a fixed name, and HTTP/1.1
+// only.
+const tlsSites = `http://default.test:{HTTP} {
+	sluice {
+		transport sluice {
+			tls_insecure_skip_verify
+		}
+	}
+}
+
+http://placeholder.test:{HTTP} {
+	sluice {
+		transport sluice {
+			tls_insecure_skip_verify
+			tls_server_name {http.request.host}.internal
+		}
+	}
+}
+
+http://fixed.test:{HTTP} {
+	sluice {
+		transport sluice {
+			tls_insecure_skip_verify
+			tls_server_name upstream.internal
+			versions 1.1
+		}
+	}
+}`
+
+// TestTLSToTheUpstreamThroughTheAgent: with `transport sluice { tls… }` the
+// upstream sees the client's Host (not the dial address, which names an
+// agent session), the server name is tls_server_name with placeholders
+// replaced or else the request's host, and HTTP/2 is negotiated over TLS
+// unless versions say otherwise.
+func TestTLSToTheUpstreamThroughTheAgent(t *testing.T) {
+	up := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "%s|%s|%s", r.Host, r.TLS.ServerName, r.Proto)
+	}))
+	up.EnableHTTP2 = true
+	up.StartTLS()
+	t.Cleanup(up.Close)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true}, tlsSites)
+	startAgent(t, c.serverURL(), "agent-tls", agent.Upstream{Host: "*", Target: "tcp://" + up.Listener.Addr().String()})
+
+	for _, tc := range []struct{ host, want string }{
+		{"default.test", "default.test|default.test|HTTP/2.0"},
+		{"placeholder.test", "placeholder.test|placeholder.test.internal|HTTP/2.0"},
+		{"fixed.test", "fixed.test|upstream.internal|HTTP/1.1"},
+	} {
+		code, body := get(t, c, tc.host, "/")
+		if code != 200 || body != tc.want {
+			t.Errorf("%s: %d %q, want 200 %q (Host|server name|protocol at the upstream)", tc.host, code, body, tc.want)
+		}
+	}
+}
