@@ -27,7 +27,8 @@ const DefaultStreamCloseDelay = 24 * time.Hour
 // connection to them is a virtual connection (transport `sluice`), the
 // smallest agent id serves by default (lb_policy `first`), upgraded
 // connections survive config reloads, and a host no agent serves gets a 503
-// that says so. Every reverse_proxy option applies.
+// that says so (after waiting up to lb_try_duration for an agent to come,
+// when that is set). Every reverse_proxy option applies.
 type Handler struct {
 	reverseproxy.Handler
 	StreamPolicy
@@ -113,6 +114,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	defer release()
 	routes := n.reg.table.Load().lookupHTTP(host)
+	if len(routes) == 0 && h.LoadBalancing.TryDuration > 0 {
+		n.awaitingAgent.Add(1)
+		routes = n.reg.awaitHTTP(r.Context(), host, time.Duration(h.LoadBalancing.TryDuration))
+		n.awaitingAgent.Add(-1)
+	}
 	if len(routes) > 0 && len(allowedFor(routes, clientAddr(r))) == 0 {
 		n.logLimit("http", "allowed_cidrs", r.RemoteAddr)
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")

@@ -108,6 +108,7 @@ type NodeStats struct {
 	SlotsInUse     int64
 	MaxConnections int64
 	Refused        int64 // requests and connections refused by a limit
+	AwaitingAgent  int64 // requests waiting (lb_try_duration) for an agent to serve their host
 	Draining       bool
 }
 
@@ -123,6 +124,7 @@ func Stats() []NodeStats {
 			SlotsInUse:     n.slots.InUse(),
 			MaxConnections: n.slots.Limit(),
 			Refused:        n.refused.Load(),
+			AwaitingAgent:  n.awaitingAgent.Load(),
 			Draining:       n.draining.Load(),
 		}
 		for _, a := range n.reg.sessions() {

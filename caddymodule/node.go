@@ -55,6 +55,7 @@ type node struct {
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
 	refused        atomic.Int64 // connections and requests refused by a limit
+	awaitingAgent  atomic.Int64 // requests waiting for an agent to serve their host
 	id             string
 
 	logger atomic.Pointer[zap.Logger]

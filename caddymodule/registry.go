@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"regexp"
@@ -107,6 +108,10 @@ type routeTable struct {
 	sniPatterns []*routeEntry
 	byPort      map[uint32][]*routeEntry // listen-port routes
 	byName      map[string][]*routeEntry // every route by name
+
+	// replaced is closed when a newer table takes this one's place, so a
+	// request can wait for an agent to come (lb_try_duration).
+	replaced chan struct{}
 }
 
 // registry holds the agent sessions of one node, by agent id.
@@ -230,12 +235,14 @@ func (r *registry) rebuildLocked() {
 	for _, a := range r.agents {
 		agents = append(agents, a)
 	}
-	r.table.Store(buildTable(agents))
+	old := r.table.Swap(buildTable(agents))
+	close(old.replaced)
 }
 
 func buildTable(agents []*agentSession) *routeTable {
 	slices.SortFunc(agents, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
 	t := &routeTable{
+		replaced: make(chan struct{}),
 		exact:    map[string][]*routeEntry{},
 		byDial:   map[string]*routeEntry{},
 		sniExact: map[string][]*routeEntry{},
@@ -367,4 +374,26 @@ func (a *agentSession) currentRoutes(mu *sync.Mutex) []*routeEntry {
 	mu.Lock()
 	defer mu.Unlock()
 	return a.routes
+}
+
+// awaitHTTP waits up to d for an agent to serve host and returns its routes;
+// nil when none came in time or ctx ended. With lb_try_duration set, a
+// request that arrives while its agent reconnects waits for it, as it
+// would wait for a healthy upstream with reverse_proxy.
+func (r *registry) awaitHTTP(ctx context.Context, host string, d time.Duration) []*routeEntry {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	for {
+		t := r.table.Load()
+		if routes := t.lookupHTTP(host); len(routes) > 0 {
+			return routes
+		}
+		select {
+		case <-t.replaced:
+		case <-timer.C:
+			return nil
+		case <-ctx.Done():
+			return nil
+		}
+	}
 }

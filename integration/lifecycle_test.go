@@ -153,3 +153,44 @@ func TestFailedReloadIsRefusedAndTheRunningConfigGoesOn(t *testing.T) {
 		t.Fatalf("the refused reload reconnected the agent: sessions %d→%d, state %v", sessions, a.Sessions(), a.State())
 	}
 }
+
+// TestLbTryDurationWaitsForAnAgent: with lb_try_duration, a request for a
+// host no agent serves yet waits for one (an agent restarting, say) and is
+// served when it comes; with none coming, it gets the readable 503 once the
+// try duration is over.
+func TestLbTryDurationWaitsForAnAgent(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true}, "http://:{HTTP} {\n\tsluice {\n\t\tlb_try_duration 10s\n\t}\n}\n\nhttp://short.test:{HTTP} {\n\tsluice {\n\t\tlb_try_duration 300ms\n\t}\n}")
+	up := startUpstream(t, "late")
+
+	type answer struct {
+		code int
+		body string
+	}
+	done := make(chan answer, 1)
+	go func() {
+		code, body := get(t, c, "app.test", "/")
+		done <- answer{code, body}
+	}()
+	eventually(t, 5*time.Second, "the request waiting for an agent", func() bool { return c.mustStats(t).AwaitingAgent == 1 })
+	startAgent(t, c.serverURL(), "late-agent", agent.Upstream{Host: "app.test", Target: up})
+	select {
+	case a := <-done:
+		if a.code != 200 || !strings.Contains(a.body, "late") {
+			t.Fatalf("the waiting request: %d %q, want 200 from the agent that came", a.code, a.body)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiting request was not served after its agent came")
+	}
+
+	start := time.Now()
+	code, body := get(t, c, "short.test", "/")
+	if code != 503 || !strings.Contains(body, "no sluice agent is connected for short.test") {
+		t.Fatalf("no agent within lb_try_duration: %d %q, want the readable 503", code, body)
+	}
+	if waited := time.Since(start); waited < 300*time.Millisecond {
+		t.Fatalf("answered 503 after %v, before lb_try_duration 300ms", waited)
+	}
+	if n := c.mustStats(t).AwaitingAgent; n != 0 {
+		t.Fatalf("%d requests still counted as waiting", n)
+	}
+}
