@@ -71,8 +71,8 @@ type node struct {
 	// options), so each sees the options stored before it.
 	admitMu sync.Mutex
 
-	mu        sync.Mutex
-	onSession map[any]func() // called when a session ends (transports close idle conns)
+	mu          sync.Mutex
+	idleClosers map[any]func() // each transport's CloseIdleConnections (closeIdleConns)
 
 	serveDone chan struct{}
 }
@@ -110,7 +110,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		streamLog:      logthrottle.New(10*time.Second, 5),
 		portLog:        logthrottle.New(time.Minute, 5),
 		id:             ln.Addr().String(),
-		onSession:      map[any]func(){},
+		idleClosers:    map[any]func(){},
 		serveDone:      make(chan struct{}),
 	}
 	n.ports = newPortManager(n)
@@ -171,31 +171,29 @@ func (n *node) Destruct() error {
 	return nil
 }
 
-// watchSessions registers fn to run whenever an agent session ends.
-func (n *node) watchSessions(key any, fn func()) {
+// registerIdleCloser registers a transport's fn that closes its idle
+// pooled connections (see closeIdleConns).
+func (n *node) registerIdleCloser(key any, fn func()) {
 	n.mu.Lock()
-	n.onSession[key] = fn
+	n.idleClosers[key] = fn
 	n.mu.Unlock()
 }
 
-func (n *node) unwatchSessions(key any) {
+func (n *node) unregisterIdleCloser(key any) {
 	n.mu.Lock()
-	delete(n.onSession, key)
+	delete(n.idleClosers, key)
 	n.mu.Unlock()
 }
-
-// sessionEnded drops the pooled connections of the ended session.
-func (n *node) sessionEnded() { n.closeIdleConns() }
 
 // closeIdleConns closes the idle keep-alive connections every transport
-// pools. Each holds a connection slot: they are closed when a session ends,
-// when an Open finds every slot of max_connections taken (node.open: so
-// pooled idle connections do not starve new ones for the transport's idle
-// timeout), and when the node drains (they are not in flight).
+// pools. Each holds a connection slot: they are closed when an Open finds
+// every slot of max_connections taken (node.open: so pooled idle
+// connections do not starve new ones for the transport's idle timeout),
+// and when the node drains (they are not in flight).
 func (n *node) closeIdleConns() {
 	n.mu.Lock()
-	fns := make([]func(), 0, len(n.onSession))
-	for _, fn := range n.onSession {
+	fns := make([]func(), 0, len(n.idleClosers))
+	for _, fn := range n.idleClosers {
 		fns = append(fns, fn)
 	}
 	n.mu.Unlock()
@@ -297,7 +295,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	}
 	a.sess = sess
 	a.advertised = adv.GetRoutes()
-	entries, rejected := n.admit(a, a.advertised)
+	entries, rejected := n.admit(a, a.advertised, nil)
 	if old := n.reg.register(a, entries); old != nil {
 		n.log().Info("agent session replaced by a newer stream", zap.String("agent", a.agentID),
 			zap.String("old_remote", old.remote), zap.String("remote", remote))
@@ -326,7 +324,9 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		n.log().Info("agent disconnected", zap.String("agent", a.agentID), zap.String("remote", remote),
 			zap.NamedError("reason", sess.Err()))
 	}
-	n.sessionEnded()
+	// Its pooled virtual connections failed with the session, and their
+	// dial addresses left the route table: net/http drops them itself. The
+	// other agents' pools are left alone.
 	return nil
 }
 
@@ -403,9 +403,9 @@ func names(es []*routeEntry) []string {
 
 // admit validates an agent's routes and claims the ports of its listen-port
 // routes. Routes it cannot take are returned as rejected, with the reason.
-func (n *node) admit(a *agentSession, routes []*tunnelpb.Route) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
+func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*routeEntry) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
 	entries, rejected := validateRoutes(routes)
-	n.reg.bind(a, entries)
+	n.reg.bind(a, entries, previous)
 	opts := n.opts.Load()
 	kept := entries[:0]
 	for _, e := range entries {
@@ -433,7 +433,7 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route) ([]*routeEntry, 
 func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
 	a.advertised = routes
 	old := a.currentRoutes(&n.reg.mu)
-	entries, rejected := n.admit(a, routes)
+	entries, rejected := n.admit(a, routes, old)
 	n.reg.reroute(a, entries)
 	n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
 	n.sendAck(a, rejected)

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -194,13 +196,25 @@ func routeName(rt *tunnelpb.Route) string {
 	}
 }
 
-// bind ties entries to their session and names each with a dial address
-// of a fresh generation. It runs before the entries are published anywhere
+// bind ties entries to their session and names each with a dial address.
+// An entry whose route equals one of previous (the session's routes before
+// a repeated Advertise) keeps that route's address, so the transports'
+// pooled connections to it stay usable; the others get addresses of a
+// fresh generation. It runs before the entries are published anywhere
 // (port claims, the route table), which then only read them.
-func (r *registry) bind(a *agentSession, entries []*routeEntry) {
-	gen := r.nextGen.Add(1)
+func (r *registry) bind(a *agentSession, entries, previous []*routeEntry) {
+	var gen uint64
+	reused := make([]bool, len(previous))
 	for i, e := range entries {
 		e.agent = a
+		if j := slices.IndexFunc(previous, func(p *routeEntry) bool { return proto.Equal(p.route, e.route) }); j >= 0 && !reused[j] {
+			reused[j] = true
+			e.dial = previous[j].dial
+			continue
+		}
+		if gen == 0 {
+			gen = r.nextGen.Add(1)
+		}
 		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(gen, 10) + dialSuffix
 	}
 }

@@ -14,7 +14,7 @@ func register(t *testing.T, r *registry, id string, routes ...*tunnelpb.Route) *
 	if len(rejected) > 0 {
 		t.Fatalf("rejected: %v", rejected)
 	}
-	r.bind(a, entries)
+	r.bind(a, entries, nil)
 	r.register(a, entries)
 	return a
 }
@@ -112,6 +112,51 @@ func TestNormalizeHost(t *testing.T) {
 	for in, want := range map[string]string{"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1"} {
 		if got := normalizeHost(in); got != want {
 			t.Errorf("normalizeHost(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// TestRebindKeepsTheDialAddressOfUnchangedRoutes: a repeated Advertise (an
+// agent retrying a rejected port, a reload re-admitting port routes) keeps
+// the dial address of every route it did not change, so the transports'
+// pooled connections to them stay in use; changed and new routes get
+// addresses no route had before.
+func TestRebindKeepsTheDialAddressOfUnchangedRoutes(t *testing.T) {
+	r := newRegistry()
+	a := &agentSession{agentID: "a"}
+	first, rejected := validateRoutes([]*tunnelpb.Route{
+		{Host: "app.test"}, {Host: "api.test", RewriteHost: "api.local"}, {Host: "old.test"},
+	})
+	if len(rejected) > 0 {
+		t.Fatalf("rejected: %v", rejected)
+	}
+	r.bind(a, first, nil)
+	again, rejected := validateRoutes([]*tunnelpb.Route{
+		{Host: "new.test"}, {Host: "api.test", RewriteHost: "api.internal"}, {Host: "app.test"},
+	})
+	if len(rejected) > 0 {
+		t.Fatalf("rejected: %v", rejected)
+	}
+	r.bind(a, again, first)
+
+	if again[2].dial != first[0].dial {
+		t.Errorf("unchanged app.test: dial %q, was %q", again[2].dial, first[0].dial)
+	}
+	before := map[string]bool{}
+	for _, e := range first {
+		before[e.dial] = true
+	}
+	for _, e := range again[:2] {
+		if before[e.dial] {
+			t.Errorf("%s (new or changed) got an earlier dial address %q", routeName(e.route), e.dial)
+		}
+	}
+	if again[0].dial == again[1].dial {
+		t.Errorf("two routes share dial address %q", again[0].dial)
+	}
+	for _, e := range again {
+		if e.agent != a {
+			t.Fatalf("entry %s not bound to its session", routeName(e.route))
 		}
 	}
 }

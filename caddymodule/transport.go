@@ -95,8 +95,9 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 			t.h1.DialTLSContext = t.dialTLS(t.h1)
 		}
 	}
-	// Pooled connections of an ended session are useless: drop them.
-	app.node.watchSessions(t, t.closeIdleConnections)
+	// The node closes idle pooled connections when it needs their slots
+	// (max_connections) and when it drains.
+	app.node.registerIdleCloser(t, t.closeIdleConnections)
 	return nil
 }
 
@@ -221,7 +222,7 @@ func (t *Transport) closeIdleConnections() {
 // Cleanup closes idle connections and stops watching sessions.
 func (t *Transport) Cleanup() error {
 	if t.app != nil {
-		t.app.node.unwatchSessions(t)
+		t.app.node.unregisterIdleCloser(t)
 	}
 	if t.h1 != nil {
 		t.h1.CloseIdleConnections()

@@ -336,6 +336,34 @@ func TestIdleVirtualConnectionsAreReused(t *testing.T) {
 	}
 }
 
+// TestAnotherAgentLeavingKeepsThePool: an agent's session ending drops
+// only its own pooled connections (they fail with it); another agent's
+// idle ones stay in use.
+func TestAnotherAgentLeavingKeepsThePool(t *testing.T) {
+	const wave = 16
+	c := startCaddy(t, siteAll)
+	up := startLimHoldUpstream(t)
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
+	cl := limClient()
+	defer cl.CloseIdleConnections()
+	runWave := func() int64 {
+		before := up.opened.Load()
+		out := limFill(t, c, cl, up, "hold.test", wave)
+		up.release()
+		limCollect(t, out, wave, http.StatusOK)
+		return up.opened.Load() - before
+	}
+	if n := runWave(); n != wave {
+		t.Fatalf("first wave opened %d upstream connections, want %d", n, wave)
+	}
+	other := startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "other.test", Target: up.url})
+	other.stop()
+	eventually(t, 5*time.Second, "agent-b's session gone", func() bool { return c.mustStats(t).Sessions == 1 })
+	if n := runWave(); n != 0 {
+		t.Fatalf("after another agent left, the wave opened %d upstream connections: the pool was dropped", n)
+	}
+}
+
 // tlsSites: TLS from Caddy to the upstream through the agent's tcp:// route,
 // with the default server name, a placeholder, a fixed name, and HTTP/1.1
 // only.
