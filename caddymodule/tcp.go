@@ -14,6 +14,10 @@ import (
 
 // TCPTarget selects the route of a raw TCP connection, in this order: an
 // explicit route name, a TLS server name, the port the client connected to.
+// A server name no route serves falls back to the port: caddy-l4's tls
+// matcher records the name of every ClientHello it reads, also in a route
+// that did not match, so a catch-all `route { sluice }` after it must
+// still reach the port's route.
 type TCPTarget struct {
 	Route      string
 	ServerName string
@@ -42,7 +46,8 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 		routes = t.lookupName(target.Route)
 	case target.ServerName != "":
 		routes = t.lookupSNI(target.ServerName)
-	default:
+	}
+	if len(routes) == 0 && target.Route == "" {
 		if e := a.node.ports.owner(target.LocalPort); e != nil {
 			return a.node.relayTCP(client, e, target.ServerName)
 		}

@@ -516,6 +516,45 @@ func TestFailedReloadKeepsPortClaims(t *testing.T) {
 	}
 }
 
+// TestUnmatchedServerNameFallsBackToThePortRoute: a TLS connection whose
+// server name no agent serves, on a layer4 port whose catch-all route is
+// sluice, reaches the agent's listen-port route, also after a route whose
+// tls matcher read the ClientHello and did not match (caddy-l4 records the
+// name anyway).
+func TestUnmatchedServerNameFallsBackToThePortRoute(t *testing.T) {
+	port := freePort(t)
+	global := fmt.Sprintf(`	layer4 {
+		127.0.0.1:%d {
+			@other tls sni other.test
+			route @other {
+				tls
+			}
+			route {
+				sluice
+			}
+		}
+	}
+`, port)
+	c := startCaddyWith(t, caddyOptions{Global: global}, "")
+	web := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "port upstream")
+	}))
+	defer web.Close()
+	startAgent(t, c.serverURL(), "agent-port", agent.Upstream{ListenPort: port, Target: tcpTarget(web.Listener.Addr().(*net.TCPAddr).Port)})
+
+	cl := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: insecureTLS("nomatch.test")}}
+	defer cl.CloseIdleConnections()
+	resp, err := cl.Get(fmt.Sprintf("https://%s/", loopback(port)))
+	if err != nil {
+		t.Fatalf("TLS with an unserved server name on the port: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || string(body) != "port upstream" {
+		t.Fatalf("got %d %q, want the port route's upstream", resp.StatusCode, body)
+	}
+}
+
 func TestTCPNoRouteClosesPromptly(t *testing.T) {
 	noAgent, served := freePort(t), freePort(t)
 	global := passthroughGlobal + fmt.Sprintf(`	layer4 {
