@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.uber.org/zap"
 	"google.golang.org/grpc/mem"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -53,6 +54,7 @@ type Conn struct {
 	// receive direction
 	rq       fifo[mem.Buffer]
 	buffered int64 // bytes received and not yet consumed (including those WriteTo holds)
+	taken    int64 // bytes WriteTo took out of rq, still counted in buffered
 	rwin     recvWindow
 	readEOF  bool  // the peer half-closed its direction
 	rerr     error // the reason reads fail once the buffer is empty
@@ -71,10 +73,14 @@ type Conn struct {
 	reclaimed   bool         // reclaimed since the reader last took bytes: do not ask again (under mu)
 
 	// sender state, guarded by the sender's mutex
-	sq       fifo[*tunnelpb.Envelope]
-	inReady  bool
-	finished bool // no more frames will be queued; remove once sq drains
-	removed  bool
+	sq             fifo[*tunnelpb.Envelope]
+	inReady        bool
+	finished       bool // no more frames will be queued; remove once sq drains
+	removed        bool
+	dataDone       bool  // our FIN or abort went to the sender: DATA is refused
+	answersOwed    int64 // reclaim requests not answered yet
+	answerReleased int64 // credit given back, not reported in an answer yet
+	answerQueued   bool  // the control queue holds this connection's answers
 }
 
 func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
@@ -202,7 +208,10 @@ func (c *Conn) waitRead() error {
 	case <-c.rdl.wait():
 		return timeoutError{}
 	case <-c.s.done:
-		// Re-check: the session's failure is recorded on the connection.
+		// The session's end fails its connections; record it here too, in
+		// case c never reached the table the session failed, so that the
+		// re-check finds an error instead of waiting again at once.
+		c.onSessionEnd(c.s.err)
 		return nil
 	}
 }
@@ -227,11 +236,28 @@ func (c *Conn) copyOutLocked(p []byte) int {
 
 // consumeLocked accounts bytes the reader took and returns the credit to grant.
 func (c *Conn) consumeLocked(n int64) int64 {
+	c.buffered -= n
+	c.s.buffered.Add(-n)
+	return c.tookLocked(n)
+}
+
+// consumeTakenLocked is consumeLocked for n bytes WriteTo took out of rq.
+// Close or an abort may have dropped the buffer meanwhile, and taken these
+// bytes off the buffered counts with it: they are not taken off twice.
+func (c *Conn) consumeTakenLocked(n int64) int64 {
+	counted := min(n, c.taken)
+	c.taken -= counted
+	c.buffered -= counted
+	c.s.buffered.Add(-counted)
+	return c.tookLocked(n)
+}
+
+// tookLocked accounts n bytes the reader took, already off the buffered
+// counts, and returns the credit to grant.
+func (c *Conn) tookLocked(n int64) int64 {
 	c.bytesRead.Add(n)
 	c.lastConsume = time.Now()
 	c.reclaimed = false
-	c.buffered -= n
-	c.s.buffered.Add(-n)
 	if c.rerr != nil || c.readEOF {
 		return 0
 	}
@@ -269,7 +295,7 @@ func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 		// What the writer failed to take is dropped with its buffers: it is
 		// consumed either way.
 		c.mu.Lock()
-		inc := c.consumeLocked(taken)
+		inc := c.consumeTakenLocked(taken)
 		c.mu.Unlock()
 		c.grant(inc)
 		if werr != nil {
@@ -382,6 +408,7 @@ func (c *Conn) takeBatchLocked() []mem.Buffer {
 		size += b.Len()
 		bufs = append(bufs, b)
 	}
+	c.taken += int64(size)
 	return bufs
 }
 
@@ -397,7 +424,9 @@ func (c *Conn) Write(p []byte) (int, error) {
 		}
 		buf := pool.Get(n)
 		copy(*buf, p[:n])
-		c.s.sendData(c, mem.NewBuffer(buf, pool))
+		if err := c.s.sendData(c, mem.NewBuffer(buf, pool)); err != nil {
+			return total, err
+		}
 		p = p[n:]
 		total += n
 	}
@@ -421,7 +450,9 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 		}
 		if m > 0 {
 			*buf = (*buf)[:m]
-			c.s.sendData(c, mem.NewBuffer(buf, pool))
+			if err := c.s.sendData(c, mem.NewBuffer(buf, pool)); err != nil {
+				return total, err
+			}
 			total += int64(m)
 		} else {
 			pool.Put(buf)
@@ -495,6 +526,25 @@ func (c *Conn) unreserve(n int64) {
 	c.queued.Add(-n)
 }
 
+// dataRefused gives back the credit of n reserved bytes the sender refused
+// (their queue allowance went back with the frame) and returns why the
+// write side ended.
+func (c *Conn) dataRefused(n int64) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.credit += n
+	switch {
+	case c.werr != nil:
+		return c.werr
+	case c.wclosed:
+		return ErrWriteClosed
+	}
+	if err := c.s.Err(); err != nil {
+		return err
+	}
+	return ErrConnClosed
+}
+
 // CloseWrite half-closes the connection: the peer reads EOF after the bytes
 // already written, and may still send.
 func (c *Conn) CloseWrite() error {
@@ -511,7 +561,7 @@ func (c *Conn) CloseWrite() error {
 	c.wclosed = true
 	c.mu.Unlock()
 	notify(c.writeNotify)
-	c.s.sendConnFrame(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{Close: &tunnelpb.Close{ConnId: c.id}}})
+	c.s.sendFIN(c)
 	return nil
 }
 
@@ -543,7 +593,7 @@ func (c *Conn) Close() error {
 	notify(c.readNotify)
 	notify(c.writeNotify)
 	if sendFIN {
-		c.s.sendConnFrame(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{Close: &tunnelpb.Close{ConnId: c.id}}})
+		c.s.sendFIN(c)
 	}
 	if cancelPeer {
 		c.s.sendConnFrame(c, errorFrame(c.id, tunnelpb.Error_CANCELED, "connection closed"))
@@ -558,6 +608,7 @@ func (c *Conn) dropBufferedLocked() {
 	}
 	c.s.buffered.Add(-c.buffered)
 	c.buffered = 0
+	c.taken = 0
 }
 
 // Abort ends the connection at once in both directions: queued bytes are
@@ -577,6 +628,9 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	c.aborted = true
 	c.setErrorsLocked(err)
 	c.closed = true
+	// Reads fail from now on, also after the peer's FIN: what it sent is
+	// dropped, and a clean EOF would pass the loss off as the whole stream.
+	c.readEOF = false
 	c.dropBufferedLocked()
 	c.mu.Unlock()
 	c.wake()
@@ -617,8 +671,10 @@ func (c *Conn) onData(payload mem.BufferSlice) {
 	if c.readEOF {
 		c.mu.Unlock()
 		payload.Free()
-		c.s.cfg.Logger.Warn("tunnel peer sent data after closing its direction; connection failed",
-			zapConn(c.id))
+		if ok, suppressed := c.s.peerLog.Allow(); ok {
+			c.s.cfg.Logger.Warn("tunnel peer sent data after closing its direction; connection failed",
+				zapConn(c.id), zap.Int("suppressed", suppressed))
+		}
 		c.fail(&PeerError{Code: tunnelpb.Error_PROTOCOL, Message: "data after close"}, tunnelpb.Error_PROTOCOL, "data after close")
 		return
 	}
@@ -669,7 +725,7 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 
 // onWindowUpdate is called with the peer's flow control for c.
 func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
-	var answer *tunnelpb.WindowUpdate
+	var released int64
 	c.mu.Lock()
 	if u.GetBlocked() {
 		c.rwin.peerBlocked = true
@@ -678,15 +734,12 @@ func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
 		c.credit += inc
 		c.blockedSent = false
 	}
-	if above := int64(u.GetReclaimAbove()); above > 0 {
+	above := int64(u.GetReclaimAbove())
+	if above > 0 && c.credit > above {
 		// The peer's reader is idle: give back the credit above what it
 		// keeps, so it can release its budget.
-		var released int64
-		if c.credit > above {
-			released = c.credit - above
-			c.credit = above
-		}
-		answer = &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(released)}
+		released = c.credit - above
+		c.credit = above
 	}
 	if u.GetReleased() > 0 || (u.GetReclaimAbove() == 0 && u.GetIncrement() == 0 && !u.GetBlocked() && c.reclaiming) {
 		c.rwin.reclaimed(int64(u.GetReleased()), c.s.cfg.Budget)
@@ -697,8 +750,8 @@ func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
 	if u.GetIncrement() > 0 {
 		notify(c.writeNotify)
 	}
-	if answer != nil {
-		c.s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: answer}})
+	if above > 0 {
+		c.s.sendReclaimAnswer(c, released)
 	}
 }
 

@@ -4,7 +4,9 @@
 // (Conn, a net.Conn with half-close and deadlines), the per-connection credit
 // windows and the node-wide Budget that bounds what windows above 64 KiB may
 // buffer, the sender that schedules control frames before connection frames
-// and connections round-robin, the stall watchdog (with the gRPC credentials
+// and connections round-robin (its control queue is bounded: a peer whose
+// frames make it queue more answers than it reads fails the session, see
+// ErrControlQueueFull), the stall watchdog (with the gRPC credentials
 // wrapper that lets it read the socket's progress), and the relay that copies
 // between a Conn and a real connection.
 //

@@ -6,6 +6,9 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -160,4 +163,114 @@ func TestIdleReaderWindowIsReclaimed(t *testing.T) {
 		c.Close()
 		ac.Close()
 	})
+}
+
+// TestReclaimFloodIsAnsweredOncePerRequestInBoundedMemory: a peer that
+// sends reclaim requests without reading holds one control queue entry for
+// the connection however many it sends (more than the queue bound: they
+// would otherwise fail the session), and gets exactly one answer per
+// request, the answers releasing the credit above the request once.
+func TestReclaimFloodIsAnsweredOncePerRequestInBoundedMemory(t *testing.T) {
+	const requests = 2 * controlQueueBase
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+	peer := rawPeer{t, b}
+	const extra = 1 << 20
+	peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Increment: extra}}})
+	maxQueued := 0
+	observe := func() (queued int, owed int64) {
+		q := &node.sender
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		return q.ctrl.len(), c.answersOwed
+	}
+	for i := 0; i < requests; i++ {
+		peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), ReclaimAbove: InitialWindow}}})
+		maxQueued = max(maxQueued, func() int { n, _ := observe(); return n }())
+	}
+	// Up to two answers left the queue: one in the pipe, one blocked in
+	// Send on the full pipe.
+	eventually(t, 5*time.Second, "the requests dispatched", func() bool {
+		_, owed := observe()
+		return owed >= requests-2
+	})
+	if n, _ := observe(); maxQueued > 1 || n > 1 {
+		t.Fatalf("control queue held up to %d entries (now %d) for one connection's answers", maxQueued, n)
+	}
+	if err := node.Err(); err != nil {
+		t.Fatalf("session failed: %v", err)
+	}
+	// The peer reads: one answer per request, releasing the extra credit.
+	var answers int
+	var released int64
+	for answers < requests {
+		env := &tunnelpb.Envelope{}
+		if err := b.Recv(env); err != nil {
+			t.Fatal(err)
+		}
+		u := env.Frame.GetWindowUpdate()
+		if u == nil {
+			continue // the Connect
+		}
+		if u.GetIncrement() != 0 || u.GetBlocked() || u.GetReclaimAbove() != 0 {
+			t.Fatalf("unexpected window update %v", u)
+		}
+		answers++
+		released += int64(u.GetReleased())
+	}
+	if released != extra {
+		t.Fatalf("answers released %d bytes, want %d", released, extra)
+	}
+	// Nothing more is owed: a refused Connect is the next frame, not
+	// another answer.
+	peer.send(connectFrame(2, InitialWindow)) // a node's id: wrong parity
+	f := peer.nextFrame()
+	if f.GetConnect() != nil { // sent after the answers, which overtook it
+		f = peer.nextFrame()
+	}
+	if e := f.GetError(); e.GetConnId() != 2 || e.GetCode() != tunnelpb.Error_PROTOCOL {
+		t.Fatalf("after %d answers the peer got %v, want the refusal", answers, f)
+	}
+}
+
+// TestRefusalFloodFailsASessionThatDoesNotRead: a peer that sends Connects
+// to be refused and reads none of the refusals fails the session once the
+// control queue is full, instead of growing it forever; the refusals are
+// logged a few at a time, not one line each.
+func TestRefusalFloodFailsASessionThatDoesNotRead(t *testing.T) {
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	core, logs := observer.New(zap.WarnLevel)
+	agent, err := NewSession(a, Config{Role: RoleAgent, Logger: zap.New(core)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer agent.Close()
+	sent := 0
+	for ; sent < 10*controlQueueBase; sent++ {
+		// Odd ids are the agent's own: every one is refused.
+		if err := b.Send(&tunnelpb.Envelope{Frame: connectFrame(uint64(2*sent+1), InitialWindow)}); err != nil {
+			break // the session ended and closed the stream
+		}
+	}
+	select {
+	case <-agent.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatalf("session still up after %d refused Connects it could not send answers to", sent)
+	}
+	if !errors.Is(agent.Err(), ErrControlQueueFull) {
+		t.Fatalf("session ended with %v, want ErrControlQueueFull", agent.Err())
+	}
+	if sent > 2*controlQueueBase {
+		t.Fatalf("session took %d Connects before it failed, bound is about %d", sent, controlQueueBase)
+	}
+	if n := logs.FilterMessage("tunnel connect refused").Len(); n > 10 {
+		t.Fatalf("%d refusal lines logged for %d refusals", n, sent)
+	}
 }

@@ -1,10 +1,13 @@
 package tunnelcore
 
 import (
+	"errors"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"go.uber.org/zap"
 	"google.golang.org/grpc/mem"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -25,10 +28,37 @@ type sender struct {
 	sendingSince atomic.Int64
 
 	mu     sync.Mutex
-	ctrl   fifo[*tunnelpb.Envelope]
+	ctrl   fifo[ctrlItem]
 	ready  fifo[*Conn]
 	closed bool
 }
+
+// ctrlItem is a control frame, or (answer set) the reclaim answers a
+// connection owes: they are built when sent, so a peer that floods reclaim
+// requests holds one queue entry per connection, however many it sent.
+type ctrlItem struct {
+	env    *tunnelpb.Envelope
+	answer *Conn
+}
+
+// The control queue is bounded: a peer can make each of its frames cost one
+// control frame (a refused Connect, a blocked writer refilled byte by byte,
+// an aborted connection), and a peer that sends while it reads slowly would
+// grow the queue without end. Past controlQueueBase frames plus
+// controlQueuePerConn frames per open connection the session fails with
+// ErrControlQueueFull. A well-behaved peer stays far below: a connection
+// has at most a few control frames waiting (a grant or two, one blocked,
+// one reclaim request, one reclaim answer entry, one Error), and a peer
+// that stops reading altogether is cut by the stall watchdog.
+const (
+	controlQueueBase    = 4096
+	controlQueuePerConn = 8
+)
+
+// ErrControlQueueFull ends a session whose peer made it queue more control
+// frames than the control queue bound allows (see controlQueueBase): the
+// peer sent frames that need an answer faster than it read the answers.
+var ErrControlQueueFull = errors.New("tunnel control queue full: the peer sends frames that need an answer faster than it reads")
 
 func (q *sender) init(s *Session) {
 	q.s = s
@@ -42,26 +72,91 @@ func (s *Session) sendControl(f *tunnelpb.Frame) {
 		q.mu.Unlock()
 		return
 	}
-	q.ctrl.push(&tunnelpb.Envelope{Frame: f})
+	q.ctrl.push(ctrlItem{env: &tunnelpb.Envelope{Frame: f}})
+	n := q.ctrl.len()
 	q.mu.Unlock()
 	notify(q.wake)
+	s.checkControlQueue(n)
+}
+
+// sendReclaimAnswer queues the answer to a reclaim request for c, which
+// gave released bytes of credit back. Answers c still owes share one queue
+// entry: the sender still sends exactly one WindowUpdate per request, the
+// first carrying every byte released until then and the others what was
+// released since (0 unless credit came in between). The receiver only
+// subtracts each released from what it granted, and c lowered its credit
+// before any of these answers leaves, so reporting a release early is safe.
+func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
+	q := &s.sender
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		return
+	}
+	c.answersOwed++
+	c.answerReleased += released
+	if c.answerQueued {
+		q.mu.Unlock()
+		return
+	}
+	c.answerQueued = true
+	q.ctrl.push(ctrlItem{answer: c})
+	n := q.ctrl.len()
+	q.mu.Unlock()
+	notify(q.wake)
+	s.checkControlQueue(n)
+}
+
+// checkControlQueue fails the session when the control queue, n frames
+// long, is over its bound. The caller holds no lock.
+func (s *Session) checkControlQueue(n int) {
+	if n <= controlQueueBase {
+		return
+	}
+	if conns := s.NumConns(); n <= controlQueueBase+controlQueuePerConn*conns {
+		return
+	}
+	s.cfg.Logger.Warn("tunnel peer sends frames that need an answer faster than it reads; failing the session",
+		zap.Int("control_frames_queued", n), zap.Int("connections", s.NumConns()))
+	s.CloseWithError(ErrControlQueueFull)
 }
 
 func (s *Session) sendConnFrame(c *Conn, f *tunnelpb.Frame) {
-	s.sender.enqueue(c, &tunnelpb.Envelope{Frame: f})
+	s.sender.enqueue(c, &tunnelpb.Envelope{Frame: f}, false)
 }
 
-func (s *Session) sendData(c *Conn, b mem.Buffer) {
-	c.bytesWritten.Add(int64(b.Len()))
-	s.sender.enqueue(c, &tunnelpb.Envelope{ConnID: c.id, Payload: mem.BufferSlice{b}})
+// sendFIN queues c's Close frame: DATA queued after it is refused.
+func (s *Session) sendFIN(c *Conn) {
+	s.sender.enqueue(c, &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{Close: &tunnelpb.Close{ConnId: c.id}}}}, true)
 }
 
-func (q *sender) enqueue(c *Conn, env *tunnelpb.Envelope) {
+// sendData queues a DATA frame of b, whose bytes Conn.reserve charged. It
+// fails, freeing b and giving the reservation back, once c's write side
+// ended in front of the sender (its FIN or abort is queued or sent): a
+// writer that reserved before a concurrent Close or CloseWrite must not
+// put DATA behind the FIN, which the peer would take as a protocol
+// violation that throws away the bytes written before it.
+func (s *Session) sendData(c *Conn, b mem.Buffer) error {
+	n := int64(b.Len())
+	if !s.sender.enqueue(c, &tunnelpb.Envelope{ConnID: c.id, Payload: mem.BufferSlice{b}}, false) {
+		return c.dataRefused(n)
+	}
+	c.bytesWritten.Add(n)
+	return nil
+}
+
+// enqueue queues env for c and reports whether it did; fin marks the last
+// frame of c's byte stream, after which DATA is refused. A frame refused
+// (the session or c ended) is discarded.
+func (q *sender) enqueue(c *Conn, env *tunnelpb.Envelope, fin bool) bool {
 	q.mu.Lock()
-	if q.closed || c.removed {
+	if q.closed || c.removed || (c.dataDone && env.IsData()) {
 		q.mu.Unlock()
 		q.discard(c, env)
-		return
+		return false
+	}
+	if fin {
+		c.dataDone = true
 	}
 	c.sq.push(env)
 	if !c.inReady {
@@ -70,6 +165,7 @@ func (q *sender) enqueue(c *Conn, env *tunnelpb.Envelope) {
 	}
 	q.mu.Unlock()
 	notify(q.wake)
+	return true
 }
 
 // discard frees a frame that will never be sent and returns its bytes to
@@ -87,6 +183,7 @@ func (q *sender) discard(c *Conn, env *tunnelpb.Envelope) {
 func (s *Session) purge(c *Conn) {
 	q := &s.sender
 	q.mu.Lock()
+	c.dataDone = true
 	frames := c.sq.drain()
 	q.mu.Unlock()
 	for _, env := range frames {
@@ -122,7 +219,23 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 			return nil, nil
 		}
 		if q.ctrl.len() > 0 {
-			env := q.ctrl.pop()
+			it := q.ctrl.pop()
+			env := it.env
+			if c := it.answer; c != nil {
+				// One answer per request owed; the first carries what
+				// was released meanwhile, the others 0.
+				r := min(c.answerReleased, math.MaxUint32)
+				env = &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+					WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(r)},
+				}}}
+				c.answerReleased -= r
+				c.answersOwed--
+				if c.answersOwed > 0 {
+					q.ctrl.push(it)
+				} else {
+					c.answerQueued = false
+				}
+			}
 			q.mu.Unlock()
 			return env, nil
 		}

@@ -37,6 +37,7 @@ type Session struct {
 	err       error // set before done is closed
 
 	flowLog *logthrottle.Throttle
+	peerLog *logthrottle.Throttle // refused Connects and other peer protocol errors
 }
 
 // NewSession starts a session on stream. The caller has already exchanged
@@ -53,6 +54,7 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 		accept:  make(chan *Conn, cfg.AcceptBacklog),
 		done:    make(chan struct{}),
 		flowLog: logthrottle.New(10*time.Second, 1),
+		peerLog: logthrottle.New(10*time.Second, 5),
 	}
 	s.sender.init(s)
 	if cfg.Role == RoleAgent {
@@ -392,7 +394,9 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 		peerParity = 0
 	}
 	if id == 0 {
-		s.cfg.Logger.Warn("tunnel peer sent Connect with connection id 0; ignored")
+		if ok, suppressed := s.peerLog.Allow(); ok {
+			s.cfg.Logger.Warn("tunnel peer sent Connect with connection id 0; ignored", zap.Int("suppressed", suppressed))
+		}
 		return
 	}
 	if id%2 != peerParity {
@@ -410,6 +414,13 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 		ServerName: m.GetServerName(),
 	}, int64(m.GetWindow()))
 	s.mu.Lock()
+	if s.isDone() {
+		// The session ended since the receive loop looked: the table it
+		// failed is final, and a connection added now would never be
+		// failed, removed or given its slot back.
+		s.mu.Unlock()
+		return
+	}
 	if _, dup := s.conns[id]; dup {
 		s.mu.Unlock()
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d already open", id))
@@ -431,7 +442,9 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 }
 
 func (s *Session) refuse(id uint64, code tunnelpb.Error_Code, msg string) {
-	s.cfg.Logger.Warn("tunnel connect refused", zapConn(id), zap.String("reason", msg))
+	if ok, suppressed := s.peerLog.Allow(); ok {
+		s.cfg.Logger.Warn("tunnel connect refused", zapConn(id), zap.String("reason", msg), zap.Int("suppressed", suppressed))
+	}
 	s.sendControl(errorFrame(id, code, msg))
 }
 

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -289,6 +290,20 @@ func (p rawPeer) nextControl() *tunnelpb.Frame {
 	}
 }
 
+// nextFrame returns the next frame that is not a DATA frame.
+func (p rawPeer) nextFrame() *tunnelpb.Frame {
+	for {
+		env := &tunnelpb.Envelope{}
+		if err := p.fs.Recv(env); err != nil {
+			p.t.Fatal(err)
+		}
+		if !env.IsData() {
+			return env.Frame
+		}
+		env.Payload.Free()
+	}
+}
+
 func connectFrame(id uint64, window uint32) *tunnelpb.Frame {
 	return &tunnelpb.Frame{Kind: &tunnelpb.Frame_Connect{Connect: &tunnelpb.Connect{ConnId: id, Window: window}}}
 }
@@ -510,5 +525,73 @@ func TestAcceptHonoursContext(t *testing.T) {
 	defer cancel()
 	if _, err := agent.Accept(ctx); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("got %v", err)
+	}
+}
+
+// floodingPeer is a FrameStream whose peer opens connections as fast as the
+// receive loop takes them, and takes whatever the session sends.
+type floodingPeer struct {
+	next    atomic.Uint64
+	reached chan struct{} // closed once after connects have been received
+	after   uint64
+	closed  chan struct{}
+	once    sync.Once
+}
+
+func (f *floodingPeer) Send(e *tunnelpb.Envelope) error {
+	e.Payload.Free()
+	select {
+	case <-f.closed:
+		return io.EOF
+	default:
+		return nil
+	}
+}
+
+func (f *floodingPeer) Recv(e *tunnelpb.Envelope) error {
+	select {
+	case <-f.closed:
+		return io.EOF
+	default:
+	}
+	n := f.next.Add(1)
+	if n == f.after {
+		close(f.reached)
+	}
+	*e = tunnelpb.Envelope{Frame: connectFrame(2*n, InitialWindow)}
+	return nil
+}
+
+func (f *floodingPeer) Close(error) { f.once.Do(func() { close(f.closed) }) }
+
+// TestConnectRacingSessionCloseFreesItsSlot: a Connect dispatched while the
+// session closes is either failed with the session or not created; it never
+// stays in the table holding a node-wide slot, and an accepted connection
+// of the dead session reads the session's error instead of spinning.
+func TestConnectRacingSessionCloseFreesItsSlot(t *testing.T) {
+	slots := NewSlots(0)
+	for i := 0; i < 300; i++ {
+		flood := &floodingPeer{reached: make(chan struct{}), after: uint64(1 + i%16), closed: make(chan struct{})}
+		s, err := NewSession(flood, Config{Role: RoleAgent, Slots: slots, AcceptBacklog: 1 << 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		<-flood.reached // close at a varying point of the flood
+		s.Close()
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+			c, err := s.Accept(ctx)
+			cancel()
+			if err != nil {
+				break
+			}
+			c.SetReadDeadline(time.Now().Add(2 * time.Second))
+			if _, err := c.Read(make([]byte, 1)); !errors.Is(err, ErrSessionClosed) {
+				t.Fatalf("iteration %d: Read on conn %d of a closed session: %v, want ErrSessionClosed", i, c.ID(), err)
+			}
+		}
+		eventually(t, 2*time.Second, "closed session's table empty and its slots back", func() bool {
+			return s.NumConns() == 0 && slots.InUse() == 0
+		})
 	}
 }
