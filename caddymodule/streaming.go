@@ -50,8 +50,9 @@ type StreamPolicy struct {
 	// upgraded connections, counted from the request's start. 0: none.
 	StreamMaxRequestTime caddy.Duration `json:"stream_max_request_time,omitempty"`
 
-	// StreamIdleTimeout closes a stream whose upstream sent no byte for
-	// this long. 0: none.
+	// StreamIdleTimeout closes a stream (by path prefix, or confirmed by
+	// its response Content-Type) whose upstream sent no byte for this
+	// long. 0: none.
 	StreamIdleTimeout caddy.Duration `json:"stream_idle_timeout,omitempty"`
 }
 
@@ -194,20 +195,25 @@ func (x *exchange) onResponse(code int, h http.Header) {
 		x.armLocked(time.Duration(x.policy.StreamMaxRequestTime))
 		return
 	}
-	if !mediaTypeMatches(h.Get("Content-Type"), x.policy.responseTypes()) {
-		return // an Accept-only match with an ordinary response stays ordinary
-	}
-	if x.expected == classPathPrefix {
+	typed := mediaTypeMatches(h.Get("Content-Type"), x.policy.responseTypes())
+	switch {
+	case x.expected == classPathPrefix:
+		// A stream from the start, whatever its type (NDJSON, say).
 		x.confirmed = classPathPrefix
-	} else {
+	case !typed:
+		return // an Accept-only match with an ordinary response stays ordinary
+	default:
 		x.confirmed = classContentType
 		if x.expected == classAccept {
 			x.confirmed = classAccept
 		}
 		x.armLocked(time.Duration(x.policy.StreamMaxRequestTime))
 	}
-	// A stream's length is unknown: never let a Content-Length through.
-	h.Del("Content-Length")
+	if typed {
+		// An event stream's length is unknown: never let a
+		// Content-Length through.
+		h.Del("Content-Length")
+	}
 	if d := time.Duration(x.policy.StreamIdleTimeout); d > 0 {
 		x.idle = time.AfterFunc(d, func() { x.cancel(errIdleTimeout) })
 	}

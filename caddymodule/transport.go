@@ -27,9 +27,10 @@ func init() {
 // upstream names. The http transport's options apply (versions, h2c,
 // keep-alive, timeouts, TLS to the upstream through the agent), except those
 // about dialing a socket, which the agent does: HTTP/3, proxy_protocol,
-// dial_timeout, resolvers, local_address, dial_fallback_delay and
-// keepalive_interval are refused. A virtual connection opens at once; the
-// agent dials the upstream (within 10 s) and a failure there is a 502.
+// dial_timeout, resolvers, local_address, dial_fallback_delay,
+// keepalive_interval, network_proxy and forward_proxy_url are refused. A
+// virtual connection opens at once; the agent dials the upstream (within
+// 10 s) and a failure there is a 502.
 //
 // With tls, the upstream is reached through the agent's tcp:// route and
 // the request's Host is kept (the http transport would set the dial
@@ -116,6 +117,8 @@ func refuseSocketOptions(h *reverseproxy.HTTPTransport) error {
 		return refused("local_address")
 	case h.FallbackDelay != 0:
 		return refused("dial_fallback_delay")
+	case h.ForwardProxyURL != "" || len(h.NetworkProxyRaw) > 0:
+		return refused("network_proxy/forward_proxy_url")
 	case h.KeepAlive != nil && h.KeepAlive.ProbeInterval != 0:
 		return errors.New("sluice transport: keepalive_interval: not applicable, a virtual connection has no TCP socket (the tunnel's gRPC keepalive watches the link)")
 	}

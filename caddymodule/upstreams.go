@@ -15,9 +15,12 @@ func init() {
 }
 
 // Upstreams is a dynamic upstream source that returns one upstream per
-// agent route serving the request's host: exact host routes first, then
-// host patterns, then catch-all routes, each ordered by agent id. With none,
-// reverse_proxy answers 503.
+// agent route serving the request's host: the exact-host routes if any,
+// else the matching host patterns, else the catch-all routes, each ordered
+// by agent id (a host some agent serves exactly never falls through to a
+// pattern or catch-all agent). With none, reverse_proxy answers 503. The
+// sluice directive has it built in; `dynamic sluice` uses it in a plain
+// reverse_proxy (with `transport sluice`).
 type Upstreams struct {
 	app *App
 }

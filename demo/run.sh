@@ -8,7 +8,8 @@
 #
 # Ports (override with the environment): DEMO_HTTP_PORT (8080, the public
 # site), DEMO_CONTROL_PORT (8001, where agents dial), DEMO_UPSTREAM_PORT
-# (3000, the private app).
+# (3000, the private app). DEMO_WORK is where the demo keeps its files
+# (default .demo in the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

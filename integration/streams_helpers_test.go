@@ -449,6 +449,17 @@ func startPolicyUpstream(t testing.TB) *policyUpstream {
 		case <-time.After(30 * time.Second):
 		}
 	})
+	// /feed: the same, as NDJSON (a stream only by its path prefix).
+	mux.HandleFunc("/feed", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		fmt.Fprint(w, "data: only\n\n")
+		http.NewResponseController(w).Flush()
+		select {
+		case <-r.Context().Done():
+			p.markCut(r)
+		case <-time.After(30 * time.Second):
+		}
+	})
 	// Everything else is the sample application (/sse?n=&every=).
 	mux.Handle("/", sampleupstream.Handler("policy"))
 	p.url = serveUpstream(t, mux)

@@ -169,6 +169,13 @@ http://d.test:{HTTP} {
 
 http://e.test:{HTTP} {
 	sluice
+}
+
+http://f.test:{HTTP} {
+	sluice {
+		stream_path_prefixes /feed
+		stream_idle_timeout 300ms
+	}
 }`
 
 // TestStreamPolicyClassification drives each way an exchange becomes (or
@@ -252,6 +259,20 @@ func TestStreamPolicyClassification(t *testing.T) {
 		t.Logf("silent stream ended with %v", err)
 		up.expectCut(t, "d1", 5*time.Second) // and the upstream request was closed too
 		c.expectStreamLine(t, uri, "request_accept", "idle_timeout")
+	})
+
+	t.Run("idle timeout cuts a silent path-prefix stream of any type", func(t *testing.T) {
+		uri := "/feed?id=f1"
+		s := openSSE(t, client, sseRequest(t, c.url(uri), "f.test", false))
+		if ev := s.mustNext(t, 10*time.Second); ev != "data: only" {
+			t.Fatalf("first line %q", ev)
+		}
+		n, ended, _ := s.end(2 * time.Second)
+		if !ended || n != 0 {
+			t.Fatalf("silent NDJSON stream not cut within 2 s (stream_idle_timeout 300ms): ended %v, %d lines", ended, n)
+		}
+		up.expectCut(t, "f1", 5*time.Second)
+		c.expectStreamLine(t, uri, "path_prefix", "idle_timeout")
 	})
 
 	t.Run("idle timeout spares a stream that keeps talking", func(t *testing.T) {
