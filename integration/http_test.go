@@ -317,15 +317,7 @@ func TestIdleVirtualConnectionsAreReused(t *testing.T) {
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
 	cl := limClient()
 	defer cl.CloseIdleConnections()
-	// Each wave is held at the upstream until all of it arrived, so it needs
-	// wave upstream connections at once.
-	runWave := func() int64 {
-		before := up.opened.Load()
-		out := limFill(t, c, cl, up, "hold.test", wave)
-		up.release()
-		limCollect(t, out, wave, http.StatusOK)
-		return up.opened.Load() - before
-	}
+	runWave := func() int64 { return heldWave(t, c, cl, up, "hold.test", wave) }
 	if n := runWave(); n != wave {
 		t.Fatalf("first wave opened %d upstream connections, want %d", n, wave)
 	}
@@ -334,6 +326,18 @@ func TestIdleVirtualConnectionsAreReused(t *testing.T) {
 	if n := runWave(); n >= 32 {
 		t.Fatalf("second wave opened %d upstream connections: the idle ones were not kept", n)
 	}
+}
+
+// heldWave sends n concurrent requests for host, held at the upstream until
+// all of them arrived (so they need n upstream connections at once), and
+// returns how many upstream connections the wave opened.
+func heldWave(t *testing.T, c *caddyServer, cl *http.Client, up *limHoldUpstream, host string, n int) int64 {
+	t.Helper()
+	before := up.opened.Load()
+	out := limFill(t, c, cl, up, host, n)
+	up.release()
+	limCollect(t, out, n, http.StatusOK)
+	return up.opened.Load() - before
 }
 
 // TestAnotherAgentLeavingKeepsThePool: an agent's session ending drops
@@ -346,13 +350,7 @@ func TestAnotherAgentLeavingKeepsThePool(t *testing.T) {
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
 	cl := limClient()
 	defer cl.CloseIdleConnections()
-	runWave := func() int64 {
-		before := up.opened.Load()
-		out := limFill(t, c, cl, up, "hold.test", wave)
-		up.release()
-		limCollect(t, out, wave, http.StatusOK)
-		return up.opened.Load() - before
-	}
+	runWave := func() int64 { return heldWave(t, c, cl, up, "hold.test", wave) }
 	if n := runWave(); n != wave {
 		t.Fatalf("first wave opened %d upstream connections, want %d", n, wave)
 	}

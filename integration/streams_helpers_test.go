@@ -438,32 +438,27 @@ func startPolicyUpstream(t testing.TB) *policyUpstream {
 		fmt.Fprint(w, "data: hello\n\n")
 	})
 	// /silent: an event stream that sends one event and then nothing
-	// until the proxy gives up (or 30 s pass).
-	mux.HandleFunc("/silent", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		fmt.Fprint(w, "data: only\n\n")
-		http.NewResponseController(w).Flush()
-		select {
-		case <-r.Context().Done():
-			p.markCut(r)
-		case <-time.After(30 * time.Second):
-		}
-	})
-	// /feed: the same, as NDJSON (a stream only by its path prefix).
-	mux.HandleFunc("/feed", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/x-ndjson")
-		fmt.Fprint(w, "data: only\n\n")
-		http.NewResponseController(w).Flush()
-		select {
-		case <-r.Context().Done():
-			p.markCut(r)
-		case <-time.After(30 * time.Second):
-		}
-	})
+	// until the proxy gives up (or 30 s pass); /feed: the same as NDJSON
+	// (a stream only by its path prefix).
+	mux.HandleFunc("/silent", p.oneThenSilence("text/event-stream"))
+	mux.HandleFunc("/feed", p.oneThenSilence("application/x-ndjson"))
 	// Everything else is the sample application (/sse?n=&every=).
 	mux.Handle("/", sampleupstream.Handler("policy"))
 	p.url = serveUpstream(t, mux)
 	return p
+}
+
+func (p *policyUpstream) oneThenSilence(contentType string) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", contentType)
+		fmt.Fprint(w, "data: only\n\n")
+		http.NewResponseController(w).Flush()
+		select {
+		case <-r.Context().Done():
+			p.markCut(r)
+		case <-time.After(30 * time.Second):
+		}
+	}
 }
 
 // wait sleeps ?delay= unless the request is given up first (recorded).

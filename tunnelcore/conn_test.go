@@ -72,23 +72,31 @@ func (r *heldReader) Read(p []byte) (int, error) {
 	return copy(p, r.payload), nil
 }
 
+// recordedPair is a node and an agent session over a pipe whose node side
+// records the frames it sends; both close at the end of the test.
+func recordedPair(t *testing.T) (node, agent *Session, rec *wireRecorder) {
+	t.Helper()
+	a, b := pipePair(t)
+	rec = newWireRecorder(a)
+	node, err := NewSession(rec, Config{Role: RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { node.Close() })
+	agent, err = NewSession(b, Config{Role: RoleAgent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { agent.Close() })
+	return node, agent, rec
+}
+
 // TestDataAfterCloseIsNotSent: a ReadFrom that reserved credit, then waited
 // on its source while the connection was closed, must not queue its DATA
 // behind the FIN: the peer would fail the connection and drop the bytes
 // written before Close.
 func TestDataAfterCloseIsNotSent(t *testing.T) {
-	a, b := pipePair(t)
-	rec := newWireRecorder(a)
-	node, err := NewSession(rec, Config{Role: RoleNode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	agent, err := NewSession(b, Config{Role: RoleAgent})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer agent.Close()
+	node, agent, rec := recordedPair(t)
 
 	nc, _ := node.Open(ConnectInfo{})
 	other, _ := node.Open(ConnectInfo{})
@@ -111,7 +119,7 @@ func TestDataAfterCloseIsNotSent(t *testing.T) {
 	<-r.entered // credit reserved; the source (a TCP read) blocks
 	nc.Close()
 	close(r.release)
-	err = <-rf
+	err := <-rf
 	rec.resume()
 	if !errors.Is(err, ErrConnClosed) {
 		t.Fatalf("ReadFrom across Close returned %v, want ErrConnClosed", err)
@@ -138,18 +146,7 @@ func TestDataAfterCloseIsNotSent(t *testing.T) {
 // queues its bytes in front of the FIN or fails; the peer reads exactly
 // what Write reported, then EOF, and no DATA follows the FIN.
 func TestWriteRacingCloseDeliversWhatItReported(t *testing.T) {
-	a, b := pipePair(t)
-	rec := newWireRecorder(a)
-	node, err := NewSession(rec, Config{Role: RoleNode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	agent, err := NewSession(b, Config{Role: RoleAgent})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer agent.Close()
+	node, agent, rec := recordedPair(t)
 
 	chunk := make([]byte, 1024)
 	for i := 0; i < 200; i++ {
