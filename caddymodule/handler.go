@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"time"
 
@@ -104,7 +105,13 @@ func (h *Handler) Cleanup() error {
 // and proxies otherwise.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	n := h.app.node
-	host := normalizeHost(r.Host)
+	host, ok := requestHost(r.Host)
+	if !ok {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusBadRequest)
+		io.WriteString(w, "400 Bad Request: the Host header is not a valid host name or address\n")
+		return nil
+	}
 	// max_connections is not checked here: a request that reuses an idle
 	// pooled connection takes no new slot. A dial that finds every slot
 	// taken marks the exchange, and serveWithPolicy answers 503.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
+	"regexp/syntax"
 	"slices"
 	"strconv"
 	"strings"
@@ -130,15 +131,47 @@ func newRegistry() *registry {
 	return r
 }
 
+// Bounds on what one Advertise may ask of the node. Every agent holding
+// the token may advertise, and each pattern runs for every request whose
+// host no exact route serves: the bounds keep one agent from costing the
+// node unbounded memory at admission or CPU per request.
+const (
+	// maxRoutesPerAdvertise: routes past it are rejected.
+	maxRoutesPerAdvertise = 1024
+	// maxHostLength is the longest DNS name (and request host) routed.
+	maxHostLength = 253
+	// maxPatternLength and maxPatternInsts bound a host_pattern's source
+	// and its compiled program (regexp/syntax instructions; a{1000}
+	// repeats its operand); maxAdvertiseInsts bounds the patterns of one
+	// Advertise together. [a-z0-9-]+\.dev\.example\.com takes 40.
+	maxPatternLength  = 1024
+	maxPatternInsts   = 2000
+	maxAdvertiseInsts = 20000
+	// maxRouteNameLength bounds a route name (it is echoed in acks, logs
+	// and Connect frames).
+	maxRouteNameLength = 256
+)
+
 // validateRoutes compiles the advertised routes. Invalid ones are returned
-// as rejected with the reason; listen-port routes are rejected until the
-// node supports them.
+// as rejected with the reason.
 func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tunnelpb.RejectedRoute) {
 	seen := map[string]bool{}
-	for _, rt := range routes {
+	insts := 0
+	for i, rt := range routes {
 		name := routeName(rt)
+		if len(name) > maxRouteNameLength {
+			name = name[:maxRouteNameLength]
+		}
 		reject := func(reason string) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: name, ListenPort: rt.GetListenPort(), Reason: reason})
+		}
+		if i >= maxRoutesPerAdvertise {
+			reject(fmt.Sprintf("more than %d routes in one Advertise", maxRoutesPerAdvertise))
+			continue
+		}
+		if len(routeName(rt)) > maxRouteNameLength {
+			reject(fmt.Sprintf("route name longer than %d bytes", maxRouteNameLength))
+			continue
 		}
 		if seen[name] {
 			reject("duplicate route name")
@@ -146,12 +179,20 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 		}
 		seen[name] = true
 		e := &routeEntry{route: rt}
+		if h := rt.GetHost(); h != "" && !validRouteHost(h) {
+			reject(fmt.Sprintf("host: %q is not a lower-case host name or IP address of at most %d bytes", h, maxHostLength))
+			continue
+		}
 		if p := rt.GetHostPattern(); p != "" {
-			re, err := regexp.Compile("^(?:" + p + ")$")
+			re, n, err := compileHostPattern(p)
+			if err == nil && insts+n > maxAdvertiseInsts {
+				err = fmt.Errorf("the patterns of one Advertise compile to more than %d instructions together", maxAdvertiseInsts)
+			}
 			if err != nil {
 				reject(fmt.Sprintf("host_pattern: %v", err))
 				continue
 			}
+			insts += n
 			e.pattern = re
 		}
 		badCIDR := ""
@@ -178,6 +219,33 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 		ok = append(ok, e)
 	}
 	return ok, rejected
+}
+
+// compileHostPattern compiles p to match whole host names. p must parse
+// on its own, so it cannot close the anchors put around it (`x)|(.*`
+// would otherwise match every host).
+// It also returns the size of the compiled program.
+func compileHostPattern(p string) (*regexp.Regexp, int, error) {
+	if len(p) > maxPatternLength {
+		return nil, 0, fmt.Errorf("longer than %d bytes", maxPatternLength)
+	}
+	if _, err := syntax.Parse(p, syntax.Perl); err != nil {
+		return nil, 0, err
+	}
+	whole := "^(?:" + p + ")$"
+	re, err := syntax.Parse(whole, syntax.Perl)
+	if err != nil {
+		return nil, 0, err
+	}
+	prog, err := syntax.Compile(re.Simplify())
+	if err != nil {
+		return nil, 0, err
+	}
+	if n := len(prog.Inst); n > maxPatternInsts {
+		return nil, 0, fmt.Errorf("too complex (%d instructions compiled, at most %d)", n, maxPatternInsts)
+	}
+	compiled, err := regexp.Compile(whole)
+	return compiled, len(prog.Inst), err
 }
 
 // routeName is the name a route goes by in Connect frames.
@@ -358,22 +426,89 @@ func (r *registry) sessions() []*agentSession {
 	return out
 }
 
-// normalizeHost lowercases host and strips a port and a trailing dot.
-func normalizeHost(hostport string) string {
+// requestHost validates a request's Host and returns its routing key: the
+// host lowercased, without port, brackets or the trailing dot of a fully
+// qualified name. ok is false for anything else (a second port, an empty
+// label, percent-encoding, a name over 253 bytes): such a Host must not
+// fall through to a pattern or catch-all route with an upstream that
+// might read it as the host it resembles. An empty Host (HTTP/1.0) is
+// valid and routes to the catch-all.
+func requestHost(hostport string) (host string, ok bool) {
 	h := hostport
 	if strings.HasPrefix(h, "[") {
-		if i := strings.IndexByte(h, ']'); i > 0 {
-			h = h[1:i]
+		end := strings.IndexByte(h, ']')
+		if end < 0 || !validPort(h[end+1:]) {
+			return "", false
 		}
-	} else if i := strings.LastIndexByte(h, ':'); i >= 0 && strings.Count(h, ":") == 1 {
+		a, err := netip.ParseAddr(h[1:end])
+		if err != nil || !a.Is6() {
+			return "", false
+		}
+		return strings.ToLower(h[1:end]), true
+	}
+	if i := strings.IndexByte(h, ':'); i >= 0 {
+		if a, err := netip.ParseAddr(h); err == nil && a.Is6() {
+			return strings.ToLower(h), true // a bare IPv6 literal
+		}
+		if !validPort(h[i:]) {
+			return "", false
+		}
 		h = h[:i]
 	}
-	return strings.TrimSuffix(strings.ToLower(h), ".")
+	h = strings.ToLower(strings.TrimSuffix(h, "."))
+	return h, h == "" || validHostName(h)
+}
+
+// validRouteHost reports whether an advertised host can ever equal a
+// request's routing key (requestHost): a lower-case DNS name, an IPv4
+// address or a lower-case IPv6 address without brackets.
+func validRouteHost(h string) bool {
+	if a, err := netip.ParseAddr(h); err == nil && a.Is6() {
+		return strings.ToLower(h) == h
+	}
+	return validHostName(h)
+}
+
+// validPort reports whether s is empty or ":" followed by 1-5 digits.
+func validPort(s string) bool {
+	if s == "" {
+		return true
+	}
+	if s[0] != ':' || len(s) < 2 || len(s) > 6 {
+		return false
+	}
+	for _, c := range s[1:] {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// validHostName reports whether h (lower case, no trailing dot) is a DNS
+// name of labels of letters, digits, '-' and '_' (1-63 bytes each, 253 in
+// all), or an IPv4 address, which is such a name too.
+func validHostName(h string) bool {
+	if len(h) > maxHostLength {
+		return false
+	}
+	for label := range strings.SplitSeq(h, ".") {
+		if len(label) == 0 || len(label) > 63 {
+			return false
+		}
+		for i := 0; i < len(label); i++ {
+			c := label[i]
+			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // reroute replaces the routes of a registered session (a repeated
-// Advertise). The generation changes, so pooled connections of the old
-// routes are not reused for the new ones.
+// Advertise). Routes that changed got new dial addresses (bind), so pooled
+// connections of the old ones are not reused for them.
 func (r *registry) reroute(a *agentSession, entries []*routeEntry) {
 	r.mu.Lock()
 	defer r.mu.Unlock()

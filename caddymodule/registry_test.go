@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -108,11 +109,67 @@ func TestAllowedFor(t *testing.T) {
 	}
 }
 
-func TestNormalizeHost(t *testing.T) {
-	for in, want := range map[string]string{"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1"} {
-		if got := normalizeHost(in); got != want {
-			t.Errorf("normalizeHost(%q) = %q, want %q", in, got, want)
+func TestRequestHost(t *testing.T) {
+	for in, want := range map[string]string{
+		"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1", "[::1]": "::1",
+		"10.0.0.1:443": "10.0.0.1", "a_b.internal": "a_b.internal", "": "",
+	} {
+		if got, ok := requestHost(in); !ok || got != want {
+			t.Errorf("requestHost(%q) = %q, %v; want %q, true", in, got, ok, want)
 		}
+	}
+	for _, in := range []string{
+		"admin.example.com..", "admin.example.com:80:80", "admin%2eexample.com", ".example.com", "a..b",
+		"app.test:", "app.test:http", "app.test:123456", "[::1", "[10.0.0.1]", "[::1]x", "exa mple.com",
+		strings.Repeat("a", 64) + ".com", strings.Repeat("abcdefghi.", 26) + "com",
+	} {
+		if got, ok := requestHost(in); ok {
+			t.Errorf("requestHost(%q) = %q, true; want invalid", in, got)
+		}
+	}
+}
+
+// TestRouteBounds: an Advertise is bounded in route count, name and host
+// length, and pattern size; a pattern cannot close the anchors around it.
+func TestRouteBounds(t *testing.T) {
+	many := make([]*tunnelpb.Route, maxRoutesPerAdvertise+2)
+	for i := range many {
+		many[i] = &tunnelpb.Route{Host: fmt.Sprintf("h%d.test", i)}
+	}
+	ok, rejected := validateRoutes(many)
+	if len(ok) != maxRoutesPerAdvertise || len(rejected) != 2 || !strings.Contains(rejected[0].GetReason(), "more than") {
+		t.Errorf("%d routes: %d kept, %d rejected (%v)", len(many), len(ok), len(rejected), rejected)
+	}
+	for _, tc := range []struct {
+		route *tunnelpb.Route
+		want  string
+	}{
+		{&tunnelpb.Route{Host: strings.Repeat("a", 300)}, "route name longer"},
+		{&tunnelpb.Route{Name: "n", Host: strings.Repeat("abcdefghi.", 26) + "com"}, "host:"},
+		{&tunnelpb.Route{Name: "n", Host: "Upper.test"}, "host:"},
+		{&tunnelpb.Route{Name: "n", Host: "[::1]"}, "host:"},
+		{&tunnelpb.Route{HostPattern: `never\.example)|(.*`}, "host_pattern:"},
+		{&tunnelpb.Route{HostPattern: `(?:.*a){1000}`}, "too complex"},
+		{&tunnelpb.Route{Name: "n", HostPattern: strings.Repeat("a", maxPatternLength+1)}, "longer than"},
+	} {
+		if _, rejected := validateRoutes([]*tunnelpb.Route{tc.route}); len(rejected) != 1 || !strings.Contains(rejected[0].GetReason(), tc.want) {
+			t.Errorf("route %v: rejected %v, want a reason with %q", tc.route, rejected, tc.want)
+		}
+	}
+	// Patterns share one instruction budget per Advertise.
+	var heavy []*tunnelpb.Route
+	for i := 0; i < 40; i++ {
+		heavy = append(heavy, &tunnelpb.Route{Name: fmt.Sprintf("p%d", i), HostPattern: fmt.Sprintf(`x%d.{999}`, i)})
+	}
+	ok, rejected = validateRoutes(heavy)
+	if len(ok) == 0 || len(rejected) == 0 || !strings.Contains(rejected[0].GetReason(), "together") {
+		t.Errorf("heavy patterns: %d kept, %d rejected (%v)", len(ok), len(rejected), rejected)
+	}
+	if ok, _ := validateRoutes([]*tunnelpb.Route{{Host: "::1"}, {Host: "10.0.0.1"}}); len(ok) != 2 {
+		t.Error("IP address hosts must be accepted")
+	}
+	if ok, _ := validateRoutes([]*tunnelpb.Route{{HostPattern: `[a-z0-9-]+\.dev\.example\.com`}}); len(ok) != 1 || !ok[0].pattern.MatchString("x-1.dev.example.com") || ok[0].pattern.MatchString("x.dev.example.com.evil") {
+		t.Error("an ordinary pattern must compile and match whole hosts")
 	}
 }
 

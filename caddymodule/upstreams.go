@@ -46,7 +46,11 @@ func (u *Upstreams) Provision(ctx caddy.Context) error {
 // GetUpstreams implements reverseproxy.UpstreamSource. The upstreams are
 // allocated anew on every call: reverse_proxy mutates them.
 func (u *Upstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
-	routes := allowedFor(u.app.node.reg.table.Load().lookupHTTP(normalizeHost(r.Host)), clientAddr(r))
+	host, ok := requestHost(r.Host)
+	if !ok {
+		return nil, nil // an invalid Host reaches no route, not even the catch-all
+	}
+	routes := allowedFor(u.app.node.reg.table.Load().lookupHTTP(host), clientAddr(r))
 	ups := make([]*reverseproxy.Upstream, len(routes))
 	for i, e := range routes {
 		ups[i] = &reverseproxy.Upstream{Dial: e.dial + ":80"}

@@ -418,3 +418,34 @@ func TestTLSToTheUpstreamThroughTheAgent(t *testing.T) {
 		}
 	}
 }
+
+// TestInvalidHostNeverReachesTheCatchAll: a Host that resembles a served
+// name but is not a valid host (a second port, an empty label,
+// percent-encoding) gets 400 instead of falling through to the catch-all
+// agent, whose upstream might read it as the host it resembles.
+func TestInvalidHostNeverReachesTheCatchAll(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "catch-all")
+	startAgent(t, c.serverURL(), "agent-any", agent.Upstream{Host: "*", Target: up})
+	if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "catch-all") {
+		t.Fatalf("valid host: %d %q", code, body)
+	}
+	for _, host := range []string{"admin.example.com..", "admin.example.com:80:80", "admin%2eexample.com"} {
+		conn, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", c.httpPort), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(conn, "GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n", host)
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			conn.Close()
+			t.Fatalf("Host %q: %v", host, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		conn.Close()
+		if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "not a valid host") {
+			t.Errorf("Host %q: %d %q, want 400 and not the catch-all's page", host, resp.StatusCode, body)
+		}
+	}
+}
