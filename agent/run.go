@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -307,7 +308,10 @@ func (a *Agent) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if r.connected {
+		// A session another agent of the same id displaced does not
+		// count as a good one: two agents sharing an id back off from
+		// each other instead of trading places every second.
+		if r.connected && !displaced(r.err) {
 			bo.Reset()
 		}
 		announce = r.connected
@@ -324,6 +328,13 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// displaced reports whether the node ended the session because a newer
+// stream of the same agent id replaced it.
+func displaced(err error) bool {
+	code, msg := statusOf(err)
+	return code == codes.Aborted && strings.Contains(msg, "replaced by a newer stream")
 }
 
 // sessionResult is how one session attempt ended.
@@ -351,6 +362,8 @@ func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
 	switch {
 	case code == codes.Unauthenticated || code == codes.PermissionDenied:
 		a.log.Error("authentication failed; retrying", fields...)
+	case displaced(r.err):
+		a.log.Error("replaced by another connection with this agent id; is a second agent running with the same id? retrying", fields...)
 	case r.drained:
 		a.log.Info("disconnected: node drained; reconnecting", fields...)
 	case r.connected:

@@ -50,6 +50,8 @@ type node struct {
 	sessionsByAddr *addrLimiter
 	limitLog       *logthrottle.Throttle
 	streamLog      *logthrottle.Throttle
+	sessionLog     *logthrottle.Throttle // agent connected, replaced, disconnected
+	agentErrLog    *logthrottle.Throttle // Error frames agents send
 	portLog        *logthrottle.Throttle
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
@@ -108,6 +110,8 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		sessionsByAddr: newAddrLimiter(),
 		limitLog:       logthrottle.New(10*time.Second, 5),
 		streamLog:      logthrottle.New(10*time.Second, 5),
+		sessionLog:     logthrottle.New(10*time.Second, 32),
+		agentErrLog:    logthrottle.New(10*time.Second, 5),
 		portLog:        logthrottle.New(time.Minute, 5),
 		id:             ln.Addr().String(),
 		idleClosers:    map[any]func(){},
@@ -297,17 +301,25 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	a.advertised = adv.GetRoutes()
 	entries, rejected := n.admit(a, a.advertised, nil)
 	if old := n.reg.register(a, entries); old != nil {
-		n.log().Info("agent session replaced by a newer stream", zap.String("agent", a.agentID),
-			zap.String("old_remote", old.remote), zap.String("remote", remote))
+		// The displaced session ends now: left open, it would hold its
+		// place in max_sessions while serving nothing (and a client
+		// reusing one id could open any number of them).
+		old.sess.CloseWithError(errReplaced)
+		if ok, suppressed := n.sessionLog.Allow(); ok {
+			n.log().Info("agent session replaced by a newer stream", zap.String("agent", a.agentID),
+				zap.String("old_remote", old.remote), zap.String("remote", remote), zap.Int("suppressed_since_last", suppressed))
+		}
 	}
 	n.sendAck(a, rejected)
 	n.admitMu.Unlock()
 	go refuseAgentOpened(streamCtx, sess)
 	// stall_progress: whether the stall watchdog reads the connection's
 	// progress (else it times blocked sends alone; see tunnelcore).
-	n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
-		zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)),
-		zap.Bool("stall_progress", progress != nil))
+	if ok, suppressed := n.sessionLog.Allow(); ok {
+		n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
+			zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)),
+			zap.Bool("stall_progress", progress != nil), zap.Int("suppressed_since_last", suppressed))
+	}
 
 	select {
 	case <-sess.Done():
@@ -321,14 +333,24 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	n.releasePorts(a.currentRoutes(&n.reg.mu))
 	n.admitMu.Unlock()
 	if unregistered {
-		n.log().Info("agent disconnected", zap.String("agent", a.agentID), zap.String("remote", remote),
-			zap.NamedError("reason", sess.Err()))
+		if ok, suppressed := n.sessionLog.Allow(); ok {
+			n.log().Info("agent disconnected", zap.String("agent", a.agentID), zap.String("remote", remote),
+				zap.NamedError("reason", sess.Err()), zap.Int("suppressed_since_last", suppressed))
+		}
 	}
 	// Its pooled virtual connections failed with the session, and their
 	// dial addresses left the route table: net/http drops them itself. The
 	// other agents' pools are left alone.
+	if errors.Is(sess.Err(), errReplaced) {
+		return status.Errorf(codes.Aborted, "%v (agent id %q)", errReplaced, a.agentID)
+	}
 	return nil
 }
+
+// errReplaced ends a session that a newer stream of the same agent id
+// replaced. The agent gets it as ABORTED: two live agents sharing an id
+// displace each other at their reconnect pace.
+var errReplaced = errors.New("replaced by a newer stream of the same agent id")
 
 // readAdvertise waits for the agent's first frame, which must be Advertise.
 func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (*tunnelpb.Advertise, error) {
@@ -364,6 +386,10 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 		return nil, status.Errorf(codes.FailedPrecondition, "first frame must be Advertise, got %T", r.env.Frame.GetKind())
 	case adv.GetAgentId() == "":
 		return nil, status.Error(codes.InvalidArgument, "Advertise.agent_id is empty")
+	case len(adv.GetAgentId()) > maxAgentIDLength || !printableASCII(adv.GetAgentId()):
+		return nil, status.Errorf(codes.InvalidArgument, "Advertise.agent_id must be at most %d bytes of printable ASCII", maxAgentIDLength)
+	case len(adv.GetBuild()) > maxBuildLength:
+		return nil, status.Errorf(codes.InvalidArgument, "Advertise.build longer than %d bytes", maxBuildLength)
 	case adv.GetInitialWindow() < tunnelcore.InitialWindow:
 		return nil, status.Errorf(codes.FailedPrecondition, "Advertise.initial_window %d below %d: agent too old", adv.GetInitialWindow(), tunnelcore.InitialWindow)
 	}
@@ -387,18 +413,54 @@ func (n *node) onControl(a *agentSession, f *tunnelpb.Frame) {
 		n.readmitLocked(a, k.Advertise.GetRoutes())
 		n.admitMu.Unlock()
 	case *tunnelpb.Frame_Error:
-		n.log().Warn("agent reported an error", zap.String("agent", a.agentID), zap.String("message", k.Error.GetMessage()))
+		if ok, suppressed := n.agentErrLog.Allow(); ok {
+			n.log().Warn("agent reported an error", zap.String("agent", a.agentID),
+				zap.String("message", truncate(k.Error.GetMessage(), maxLoggedMessage)), zap.Int("suppressed_since_last", suppressed))
+		}
 	default:
 		n.log().Debug("ignoring frame from agent", zap.String("agent", a.agentID), zap.String("frame", fmt.Sprintf("%T", k)))
 	}
 }
 
+// names lists the route names for a log line: the first maxLoggedRoutes,
+// then how many more.
 func names(es []*routeEntry) []string {
-	out := make([]string, len(es))
+	out := make([]string, 0, min(len(es), maxLoggedRoutes+1))
 	for i, e := range es {
-		out[i] = routeName(e.route)
+		if i == maxLoggedRoutes {
+			out = append(out, fmt.Sprintf("(%d more)", len(es)-i))
+			break
+		}
+		out = append(out, routeName(e.route))
 	}
 	return out
+}
+
+// What an agent may put in the node's log lines is bounded: its id (as the
+// agent itself enforces), its build string, the routes listed, the text of
+// its Error frames.
+const (
+	maxAgentIDLength = 128
+	maxBuildLength   = 256
+	maxLoggedRoutes  = 32
+	maxLoggedMessage = 256
+)
+
+func printableASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+// truncate shortens s to at most n bytes, marking the cut.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
 }
 
 // admit validates an agent's routes and claims the ports of its listen-port

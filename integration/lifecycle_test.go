@@ -90,6 +90,28 @@ func TestReconnectDisplacesOldSession(t *testing.T) {
 	}
 }
 
+// TestDisplacedSessionEndsAndFreesItsPlace: the session a newer stream of
+// the same agent id replaced is closed (ABORTED, which the displaced agent
+// logs as a likely id clash) and gives back its place in max_sessions, so
+// reusing an id neither stacks sessions nor locks other agents out.
+func TestDisplacedSessionEndsAndFreesItsPlace(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{Sluice: "max_sessions 2"}, siteAll)
+	up := startUpstream(t, "app")
+	first, logs := launchAgentObserved(t, c.serverURL(), "same-id", agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, first)
+	startAgent(t, c.serverURL(), "same-id", agent.Upstream{Host: "app.test", Target: up})
+	eventually(t, 10*time.Second, "the displaced agent told why", func() bool {
+		return logs.FilterMessageSnippet("replaced by another connection with this agent id").Len() > 0
+	})
+	first.stop() // two live agents of one id would keep displacing each other
+	eventually(t, 5*time.Second, "one session left", func() bool { return c.mustStats(t).Sessions == 1 })
+	other := startAgent(t, c.serverURL(), "other-id", agent.Upstream{Host: "other.test", Target: up})
+	waitConnected(t, other)
+	if n := c.mustStats(t).Sessions; n != 2 {
+		t.Fatalf("%d sessions, want 2 (max_sessions 2)", n)
+	}
+}
+
 func TestReloadKeepsInFlightDownloadAndWebSocket(t *testing.T) {
 	c := startCaddy(t, siteAll)
 	up := startUpstream(t, "app")

@@ -274,6 +274,27 @@ func TestMaxConnectionsPerAddress(t *testing.T) {
 	}
 }
 
+// TestAdvertiseWithAnOversizedIDIsRefused: an agent id is bounded (128
+// bytes of printable ASCII), as what an agent puts in the node's log lines
+// is: a 256 KiB id is refused with INVALID_ARGUMENT before the session.
+func TestAdvertiseWithAnOversizedIDIsRefused(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	cc := limControlClient(t, c)
+	for _, id := range []string{strings.Repeat("x", 256<<10), "spa ce", "nul\x00"} {
+		r := limOpenRaw(t, cc)
+		if err := r.advertise(id); err != nil {
+			t.Fatalf("send Advertise: %v", err)
+		}
+		e, ok := r.end(5 * time.Second)
+		if !ok || status.Code(e.err) != codes.InvalidArgument || !strings.Contains(e.err.Error(), "agent_id") {
+			t.Fatalf("Advertise with id %.20q: ended %v with %s, want INVALID_ARGUMENT naming agent_id", id, ok, limStatus(e.err))
+		}
+	}
+	if n := c.mustStats(t).Sessions; n != 0 {
+		t.Fatalf("%d sessions registered", n)
+	}
+}
+
 // TestAdvertiseTimeout: a stream that never sends its Advertise is failed
 // with DEADLINE_EXCEEDED after advertise_timeout.
 func TestAdvertiseTimeout(t *testing.T) {
