@@ -129,7 +129,15 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		grpc.WriteBufferSize(tunnelcore.GRPCBufferSize),
 		grpc.InitialWindowSize(tunnelcore.GRPCWindowSize),
 		grpc.InitialConnWindowSize(tunnelcore.GRPCWindowSize),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
+		// Before a token is checked, a connection costs what these allow:
+		// a 16 KiB header block (gRPC's default, 16 MiB, let an unfinished
+		// one pin that much per connection), a few streams, 10 s to finish
+		// the handshake and 2 min without a stream. An agent's connection
+		// always carries its Connect stream, so it is never idle.
+		grpc.MaxHeaderListSize(16 << 10),
+		grpc.MaxConcurrentStreams(16),
+		grpc.ConnectionTimeout(10 * time.Second),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second, MaxConnectionIdle: 2 * time.Minute}),
 		// Agents ping every 30 s even with no stream open; allow down to 10 s.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 	}

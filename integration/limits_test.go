@@ -17,9 +17,11 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/sluice-tunnel/sluice/agent"
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
@@ -292,6 +294,30 @@ func TestAdvertiseWithAnOversizedIDIsRefused(t *testing.T) {
 	}
 	if n := c.mustStats(t).Sessions; n != 0 {
 		t.Fatalf("%d sessions registered", n)
+	}
+}
+
+// TestOversizedHeadersAreRefusedBeforeAuth: the control plane takes at most
+// 16 KiB of request headers, so a client without a token cannot make it
+// hold megabytes per connection; an agent's headers are far below.
+func TestOversizedHeadersAreRefusedBeforeAuth(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	cc := limControlClient(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, "x-pad", strings.Repeat("p", 64<<10))
+	st, err := tunnelpb.NewTunnelClient(cc).Connect(ctx)
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if err == nil || ctx.Err() != nil {
+		t.Fatalf("Connect with 64 KiB of headers: %v (context %v), want refused", err, ctx.Err())
+	}
+	t.Logf("refused: %s", limStatus(err))
+	up := startUpstream(t, "app")
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("an agent after the refusal: %d", code)
 	}
 }
 
