@@ -187,6 +187,10 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.token = token
+	if len(token) < minTokenLength {
+		a.logger.Warn("sluice: the token is short; anyone who guesses it can serve any host through this node",
+			zap.Int("length", len(token)), zap.Int("recommended_min", minTokenLength))
+	}
 	if a.portRange, err = parsePortRange(a.TCPPortRange); err != nil {
 		return fmt.Errorf("sluice: %w", err)
 	}
@@ -264,6 +268,10 @@ func (a *App) loadCertificate() (*tls.Certificate, error) {
 	return &cert, nil
 }
 
+// minTokenLength is the shortest token accepted without a warning: 128
+// bits as hex. A generated token has 64 hex characters.
+const minTokenLength = 32
+
 // resolveToken returns the configured token, or the generated one.
 func (a *App) resolveToken() (string, error) {
 	switch {
@@ -317,6 +325,11 @@ func (a *App) Start() error {
 	}
 	a.node.token.Store(&a.token)
 	a.node.cert.Store(a.cert)
+	if a.prev.token != nil && *a.prev.token != a.token {
+		if n := a.node.endSessionsWithout(a.token); n > 0 {
+			a.logger.Warn("sluice: token changed; ended the sessions that authenticated with the old one", zap.Int("sessions", n))
+		}
+	}
 	a.node.logger.Store(a.logger)
 	lim := tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
 	a.node.budget.SetLimit(lim.Budget)

@@ -222,14 +222,14 @@ type tunnelService struct {
 
 // ListNodes returns this node; a cluster's membership comes later.
 func (s *tunnelService) ListNodes(ctx context.Context, _ *tunnelpb.ListNodesRequest) (*tunnelpb.NodeList, error) {
-	if err := s.n.authorize(ctx); err != nil {
+	if _, err := s.n.authorize(ctx); err != nil {
 		return nil, err
 	}
 	return &tunnelpb.NodeList{Nodes: []*tunnelpb.Node{{Id: s.n.id}}}, nil
 }
 
-// authorize checks the bearer token in constant time.
-func (n *node) authorize(ctx context.Context) error {
+// authorize checks the bearer token in constant time and returns it.
+func (n *node) authorize(ctx context.Context) (string, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
 	var got string
 	if v := md.Get("authorization"); len(v) > 0 {
@@ -240,9 +240,27 @@ func (n *node) authorize(ctx context.Context) error {
 	want := n.token.Load()
 	if want == nil || *want == "" || got == "" ||
 		subtle.ConstantTimeCompare([]byte(got), []byte(*want)) != 1 {
-		return status.Error(codes.Unauthenticated, "invalid or missing token")
+		return "", status.Error(codes.Unauthenticated, "invalid or missing token")
 	}
-	return nil
+	return *want, nil
+}
+
+// errTokenChanged ends the sessions of agents that authenticated with a
+// token a reload replaced: a rotated token must lock out whoever held the
+// old one, not only their next connection.
+var errTokenChanged = errors.New("the node's token changed; reconnect with the new one")
+
+// endSessionsWithout closes the sessions that authenticated with another
+// token than token.
+func (n *node) endSessionsWithout(token string) int {
+	ended := 0
+	for _, a := range n.reg.sessions() {
+		if a.token != token {
+			a.sess.CloseWithError(errTokenChanged)
+			ended++
+		}
+	}
+	return ended
 }
 
 // Connect serves one agent stream: authorize, read the Advertise, register
@@ -259,7 +277,8 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	if n.draining.Load() {
 		return status.Error(codes.Unavailable, "node is draining")
 	}
-	if err := n.authorize(ctx); err != nil {
+	token, err := n.authorize(ctx)
+	if err != nil {
 		n.logStream("agent rejected", remote, err)
 		return err
 	}
@@ -287,7 +306,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 
 	streamCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	a := &agentSession{agentID: adv.GetAgentId(), remote: remote, build: adv.GetBuild(), connected: time.Now()}
+	a := &agentSession{agentID: adv.GetAgentId(), remote: remote, build: adv.GetBuild(), connected: time.Now(), token: token}
 	// admitMu from before the session's receive loop starts: a second
 	// Advertise waits until the first is admitted and registered.
 	n.admitMu.Lock()
@@ -349,8 +368,11 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	// Its pooled virtual connections failed with the session, and their
 	// dial addresses left the route table: net/http drops them itself. The
 	// other agents' pools are left alone.
-	if errors.Is(sess.Err(), errReplaced) {
+	switch {
+	case errors.Is(sess.Err(), errReplaced):
 		return status.Errorf(codes.Aborted, "%v (agent id %q)", errReplaced, a.agentID)
+	case errors.Is(sess.Err(), errTokenChanged):
+		return status.Error(codes.Unauthenticated, errTokenChanged.Error())
 	}
 	return nil
 }

@@ -33,6 +33,7 @@ type agentSession struct {
 	build     string
 	connected time.Time
 	routes    []*routeEntry
+	token     string // the token it authenticated with (a reload that changes the token ends it)
 
 	// advertised is the agent's last Advertise, re-admitted when a reload
 	// changes the port options. Guarded by node.admitMu.

@@ -36,7 +36,7 @@ echo "==> building sluice-agent and the sample upstream"
 go build -o "$WORK/bin/sluice-agent" ./agent/cmd/sluice-agent
 go build -o "$WORK/bin/upstream" ./demo/upstream
 
-TOKEN=demo-token-$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')
+TOKEN=demo-token-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 cat > "$WORK/Caddyfile" <<CADDY
 {
 	admin off

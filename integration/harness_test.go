@@ -40,7 +40,7 @@ import (
 	_ "github.com/sluice-tunnel/sluice/l4module"
 )
 
-const testToken = "integration-test-token"
+const testToken = "integration-test-token-0123456789abcdef"
 
 // freePort returns a loopback TCP port that was free a moment ago.
 func freePort(t testing.TB) int {

@@ -216,3 +216,35 @@ func TestLbTryDurationWaitsForAnAgent(t *testing.T) {
 		t.Fatalf("%d requests still counted as waiting", n)
 	}
 }
+
+// TestTokenChangeEndsSessionsOfTheOldToken: a reload that rotates the token
+// ends the sessions that authenticated with the old one (their agents are
+// told UNAUTHENTICATED and keep being refused), and agents holding the new
+// token are served; a reload that keeps the token ends nothing.
+func TestTokenChangeEndsSessionsOfTheOldToken(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	old, logs := launchAgentObserved(t, c.serverURL(), "agent-old", agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, old)
+	sessions := old.Sessions()
+
+	reloadWithNewSite(t, c, siteAll)
+	if old.Sessions() != sessions || old.State() != agent.StateConnected {
+		t.Fatal("a reload that kept the token ended the session")
+	}
+
+	const rotated = "rotated-token-0123456789abcdef0123456789"
+	c.opts.Sluice = "token " + rotated
+	c.load(siteAll)
+	eventually(t, 10*time.Second, "the old token's agent told it is no longer authenticated", func() bool {
+		return logs.FilterMessage("authentication failed; retrying").Len() > 0
+	})
+	if code, _ := get(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
+		t.Fatalf("with only an old-token agent: %d, want 503", code)
+	}
+	a, _ := launchAgentLogged(t, c.serverURL(), "agent-new", rotated, nil, false, agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("with an agent holding the new token: %d", code)
+	}
+}
