@@ -109,7 +109,10 @@ type App struct {
 
 	// MaxSessions bounds the agent sessions; beyond it a new agent stream
 	// is refused with RESOURCE_EXHAUSTED (agents retry with backoff). An
-	// agent replacing its own session is always admitted. 0: no limit.
+	// agent replacing its own session is always admitted. Default 1024,
+	// as the reference has it: every session holds its routes, patterns
+	// and buffers, so a leaked token must not be able to open them
+	// without end.
 	MaxSessions int `json:"max_sessions,omitempty"`
 
 	// MaxSessionsPerAddress bounds the sessions from one address. 0: no limit.
@@ -169,6 +172,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	if a.AdvertiseTimeout == 0 {
 		a.AdvertiseTimeout = caddy.Duration(10 * time.Second)
+	}
+	if a.MaxSessions == 0 {
+		a.MaxSessions = DefaultMaxSessions
 	}
 	if a.MaxPendingStreams == 0 {
 		a.MaxPendingStreams = 256
@@ -267,6 +273,9 @@ func (a *App) loadCertificate() (*tls.Certificate, error) {
 	}
 	return &cert, nil
 }
+
+// DefaultMaxSessions is the default of max_sessions.
+const DefaultMaxSessions = 1024
 
 // minTokenLength is the shortest token accepted without a warning: 128
 // bits as hex. A generated token has 64 hex characters.
