@@ -5,8 +5,8 @@
 // windows and the node-wide Budget that bounds what windows above 64 KiB may
 // buffer, the sender that schedules control frames before connection frames
 // and connections round-robin (its control queue is bounded: a peer whose
-// frames make it queue more answers than it reads fails the session, see
-// ErrControlQueueFull), the stall watchdog (with the gRPC credentials
+// frames make it queue answers faster than it reads them is read no further
+// until they drain, see controlQueueBound), the stall watchdog (with the gRPC credentials
 // wrapper that lets it read the socket's progress), and the relay that copies
 // between a Conn and a real connection.
 //

@@ -167,11 +167,11 @@ func TestIdleReaderWindowIsReclaimed(t *testing.T) {
 
 // TestReclaimFloodIsAnsweredOncePerRequestInBoundedMemory: a peer that
 // sends reclaim requests without reading holds one control queue entry for
-// the connection however many it sends (more than the queue bound: they
-// would otherwise fail the session), and gets exactly one answer per
-// request, the answers releasing the credit above the request once.
+// the connection however many it sends (more than the queue bound, which
+// would otherwise stop the session reading), and gets exactly one answer
+// per request, the answers releasing the credit above the request once.
 func TestReclaimFloodIsAnsweredOncePerRequestInBoundedMemory(t *testing.T) {
-	const requests = 2 * controlQueueBase
+	const requests = 2 * controlQueueBound
 	a, b := Pipe(1)
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
 	node, err := NewSession(a, Config{Role: RoleNode})
@@ -239,11 +239,12 @@ func TestReclaimFloodIsAnsweredOncePerRequestInBoundedMemory(t *testing.T) {
 	}
 }
 
-// TestRefusalFloodFailsASessionThatDoesNotRead: a peer that sends Connects
-// to be refused and reads none of the refusals fails the session once the
-// control queue is full, instead of growing it forever; the refusals are
-// logged a few at a time, not one line each.
-func TestRefusalFloodFailsASessionThatDoesNotRead(t *testing.T) {
+// TestRefusalFloodIsPacedByThePeersReading: a peer that sends Connects to be
+// refused faster than it reads the refusals is read no further once the
+// control queue is full, instead of growing it without end or failing the
+// session; once it reads, every Connect gets its refusal and the session
+// goes on. The refusals are logged a few at a time, not one line each.
+func TestRefusalFloodIsPacedByThePeersReading(t *testing.T) {
 	a, b := Pipe(1)
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
 	core, logs := observer.New(zap.WarnLevel)
@@ -252,25 +253,54 @@ func TestRefusalFloodFailsASessionThatDoesNotRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer agent.Close()
-	sent := 0
-	for ; sent < 10*controlQueueBase; sent++ {
-		// Odd ids are the agent's own: every one is refused.
-		if err := b.Send(&tunnelpb.Envelope{Frame: connectFrame(uint64(2*sent+1), InitialWindow)}); err != nil {
-			break // the session ended and closed the stream
+	const total = 3 * controlQueueBound
+	sent := make(chan int, 1)
+	go func() {
+		n := 0
+		for ; n < total; n++ {
+			// Odd ids are the agent's own: every one is refused.
+			if b.Send(&tunnelpb.Envelope{Frame: connectFrame(uint64(2*n+1), InitialWindow)}) != nil {
+				break
+			}
+		}
+		sent <- n
+	}()
+
+	eventually(t, 5*time.Second, "the agent's control queue full", func() bool { return agent.controlQueued() >= controlQueueBound })
+	select {
+	case n := <-sent:
+		t.Fatalf("the peer sent all %d Connects without reading an answer", n)
+	default:
+	}
+	if n := agent.controlQueued(); n > controlQueueBound+1 {
+		t.Fatalf("%d control frames queued, bound %d", n, controlQueueBound)
+	}
+
+	refusals := 0
+	deadline := time.Now().Add(20 * time.Second)
+	for refusals < total && time.Now().Before(deadline) {
+		env := &tunnelpb.Envelope{}
+		if err := b.Recv(env); err != nil {
+			t.Fatalf("reading the refusals: %v (after %d)", err, refusals)
+		}
+		if env.Frame.GetError() != nil {
+			refusals++
 		}
 	}
-	select {
-	case <-agent.Done():
-	case <-time.After(5 * time.Second):
-		t.Fatalf("session still up after %d refused Connects it could not send answers to", sent)
+	if n := <-sent; n != total || refusals != total {
+		t.Fatalf("sent %d Connects, read %d refusals, want %d each", n, refusals, total)
 	}
-	if !errors.Is(agent.Err(), ErrControlQueueFull) {
-		t.Fatalf("session ended with %v, want ErrControlQueueFull", agent.Err())
-	}
-	if sent > 2*controlQueueBase {
-		t.Fatalf("session took %d Connects before it failed, bound is about %d", sent, controlQueueBase)
+	if agent.isDone() {
+		t.Fatalf("session ended: %v", agent.Err())
 	}
 	if n := logs.FilterMessage("tunnel connect refused").Len(); n > 10 {
-		t.Fatalf("%d refusal lines logged for %d refusals", n, sent)
+		t.Fatalf("%d refusal lines logged for %d refusals", n, total)
 	}
+}
+
+// controlQueued is how many control frames wait in s's sender.
+func (s *Session) controlQueued() int {
+	s.sender.mu.Lock()
+	defer s.sender.mu.Unlock()
+	return s.sender.ctrl.len()
 }

@@ -1,13 +1,11 @@
 package tunnelcore
 
 import (
-	"errors"
 	"math"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"go.uber.org/zap"
 	"google.golang.org/grpc/mem"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -31,6 +29,11 @@ type sender struct {
 	ctrl   fifo[ctrlItem]
 	ready  fifo[*Conn]
 	closed bool
+
+	// room wakes the receive loop waiting for the control queue to drain
+	// (roomWanted set) once it is down to half the bound.
+	room       chan struct{}
+	roomWanted bool
 }
 
 // ctrlItem is a control frame, or (answer set) the reclaim answers a
@@ -41,28 +44,23 @@ type ctrlItem struct {
 	answer *Conn
 }
 
-// The control queue is bounded: a peer can make each of its frames cost one
-// control frame (a refused Connect, a blocked writer refilled byte by byte,
-// an aborted connection), and a peer that sends while it reads slowly would
-// grow the queue without end. Past controlQueueBase frames plus
-// controlQueuePerConn frames per open connection the session fails with
-// ErrControlQueueFull. A well-behaved peer stays far below: a connection
-// has at most a few control frames waiting (a grant or two, one blocked,
-// one reclaim request, one reclaim answer entry, one Error), and a peer
-// that stops reading altogether is cut by the stall watchdog.
-const (
-	controlQueueBase    = 4096
-	controlQueuePerConn = 8
-)
-
-// ErrControlQueueFull ends a session whose peer made it queue more control
-// frames than the control queue bound allows (see controlQueueBase): the
-// peer sent frames that need an answer faster than it read the answers.
-var ErrControlQueueFull = errors.New("tunnel control queue full: the peer sends frames that need an answer faster than it reads")
+// controlQueueBound paces a peer by its own reading: a peer can make each
+// of its frames cost a control frame (a refused Connect, an aborted
+// connection's Error), so one that sends faster than it reads the answers
+// would grow the control queue without end. While more than this many
+// control frames wait, the receive loop takes no further frame from the
+// peer, until the queue is down to half: the peer's sends then wait on
+// gRPC's flow control, as its data would. Failing the session instead
+// would cut every connection of an agent for a burst of refusals on a
+// slow uplink. A peer that stops reading altogether is cut by the stall
+// watchdog. Frames queued by our own side (a grant or a blocked notice per
+// connection) may pass the bound; they do not grow without end.
+const controlQueueBound = 4096
 
 func (q *sender) init(s *Session) {
 	q.s = s
 	q.wake = make(chan struct{}, 1)
+	q.room = make(chan struct{}, 1)
 }
 
 func (s *Session) sendControl(f *tunnelpb.Frame) {
@@ -73,10 +71,8 @@ func (s *Session) sendControl(f *tunnelpb.Frame) {
 		return
 	}
 	q.ctrl.push(ctrlItem{env: &tunnelpb.Envelope{Frame: f}})
-	n := q.ctrl.len()
 	q.mu.Unlock()
 	notify(q.wake)
-	s.checkControlQueue(n)
 }
 
 // sendReclaimAnswer queues the answer to a reclaim request for c, which
@@ -101,24 +97,29 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 	}
 	c.answerQueued = true
 	q.ctrl.push(ctrlItem{answer: c})
-	n := q.ctrl.len()
 	q.mu.Unlock()
 	notify(q.wake)
-	s.checkControlQueue(n)
 }
 
-// checkControlQueue fails the session when the control queue, n frames
-// long, is over its bound. The caller holds no lock.
-func (s *Session) checkControlQueue(n int) {
-	if n <= controlQueueBase {
-		return
+// waitControlRoom returns once the control queue is within its bound, or
+// false when the session ended first. The receive loop calls it before
+// taking each frame from the peer (see controlQueueBound).
+func (s *Session) waitControlRoom() bool {
+	q := &s.sender
+	for {
+		q.mu.Lock()
+		if q.ctrl.len() <= controlQueueBound || q.closed {
+			q.mu.Unlock()
+			return !s.isDone()
+		}
+		q.roomWanted = true
+		q.mu.Unlock()
+		select {
+		case <-q.room:
+		case <-s.done:
+			return false
+		}
 	}
-	if conns := s.NumConns(); n <= controlQueueBase+controlQueuePerConn*conns {
-		return
-	}
-	s.cfg.Logger.Warn("tunnel peer sends frames that need an answer faster than it reads; failing the session",
-		zap.Int("control_frames_queued", n), zap.Int("connections", s.NumConns()))
-	s.CloseWithError(ErrControlQueueFull)
 }
 
 func (s *Session) sendConnFrame(c *Conn, f *tunnelpb.Frame) {
@@ -220,6 +221,10 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 		}
 		if q.ctrl.len() > 0 {
 			it := q.ctrl.pop()
+			if q.roomWanted && q.ctrl.len() <= controlQueueBound/2 {
+				q.roomWanted = false
+				notify(q.room)
+			}
 			env := it.env
 			if c := it.answer; c != nil {
 				// One answer per request owed; the first carries what

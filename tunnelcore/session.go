@@ -332,6 +332,9 @@ func (s *Session) removeConn(c *Conn) {
 
 func (s *Session) recvLoop() {
 	for {
+		if !s.waitControlRoom() {
+			return
+		}
 		env := &tunnelpb.Envelope{}
 		if err := s.stream.Recv(env); err != nil {
 			env.Payload.Free()
