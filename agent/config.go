@@ -23,6 +23,8 @@ import (
 
 	"go.uber.org/zap/zapcore"
 	"gopkg.in/yaml.v3"
+
+	"github.com/sluice-tunnel/sluice/internal/hostname"
 )
 
 // Config is the agent's configuration (YAML file, flags, SLUICE_* environment).
@@ -170,8 +172,11 @@ func (u Upstream) IsCatchAll() bool {
 	return (u.Host == "" || u.Host == "*") && u.HostPattern == "" && u.ListenPort == 0
 }
 
+// compilePattern compiles a host pattern as the node does, within the
+// node's bounds (internal/hostname).
 func compilePattern(p string) (*regexp.Regexp, error) {
-	return regexp.Compile("^(?:" + p + ")$")
+	re, _, err := hostname.CompilePattern(p)
+	return re, err
 }
 
 // LoadFile reads a YAML configuration file. Unknown fields are rejected. The
@@ -359,7 +364,7 @@ func (c *Config) Validate() error {
 			break
 		}
 		// The token itself is not quoted: it is a secret.
-		if err := checkMetadata(tok); err != nil {
+		if err := checkMetadata(tok, true); err != nil {
 			fail("token_file", "%s: the token %v", c.TokenFile, err)
 			break
 		}
@@ -367,7 +372,7 @@ func (c *Config) Validate() error {
 	case c.Token == "":
 		fail("token", "required (set token or token_file)")
 	default:
-		if err := checkMetadata(c.Token); err != nil {
+		if err := checkMetadata(c.Token, true); err != nil {
 			fail("token", "%v", err)
 		}
 	}
@@ -378,7 +383,7 @@ func (c *Config) Validate() error {
 		c.ID = NewID()
 	} else if len(c.ID) > 128 {
 		fail("id", "longer than 128 bytes")
-	} else if err := checkMetadata(c.ID); err != nil {
+	} else if err := checkMetadata(c.ID, false); err != nil {
 		fail("id", "%q: %v", c.ID, err)
 	}
 
@@ -432,12 +437,20 @@ func trimToken(s string) string {
 	return strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(s), "\uFEFF"))
 }
 
-// checkMetadata accepts printable ASCII without spaces (0x21-0x7E): gRPC
-// refuses other bytes in metadata values, which would fail every attempt to
-// connect rather than stop the agent with a configuration error.
-func checkMetadata(s string) error {
+// checkMetadata accepts printable ASCII (0x20-0x7E): gRPC refuses other
+// bytes in metadata values, which would fail every attempt to connect
+// rather than stop the agent with a configuration error. spaces says
+// whether a space is allowed (inside a token it is; the agent id, which the
+// node shows in its logs, has none).
+func checkMetadata(s string, spaces bool) error {
 	for i, r := range s {
+		if r == ' ' && spaces {
+			continue
+		}
 		if r < 0x21 || r > 0x7e {
+			if spaces {
+				return fmt.Errorf("must be printable ASCII (found %U at byte %d)", r, i)
+			}
 			return fmt.Errorf("must be printable ASCII without spaces (found %U at byte %d)", r, i)
 		}
 	}
@@ -506,11 +519,11 @@ func (u *Upstream) validate(field string) []error {
 		switch {
 		case err != nil:
 			fail("host_pattern", "%v", err)
-		case strings.ToLower(u.HostPattern) != u.HostPattern && !strings.HasPrefix(u.HostPattern, "(?i)"):
-			// Telling an upper-case escape such as \D from an upper-case
-			// literal takes parsing the regexp; the node lower-cases hosts
-			// before matching, so an upper-case literal would never match.
-			fail("host_pattern", "%q must be lower case (hosts are matched lower-cased; start it with (?i) to keep upper-case escapes)", u.HostPattern)
+		case hostname.UpperCaseLiteral(u.HostPattern) != 0:
+			// The node lower-cases hosts before matching: an upper-case
+			// letter matched literally never matches.
+			fail("host_pattern", "%q matches %q literally, but hosts are matched lower-cased (write it lower case, or start the pattern with (?i))",
+				u.HostPattern, hostname.UpperCaseLiteral(u.HostPattern))
 		default:
 			u.pattern = re
 		}
@@ -667,12 +680,15 @@ func checkHostName(h string) error {
 		}
 		return fmt.Errorf("%q: no port allowed (use the bare host name)", h)
 	}
-	if len(h) > 253 {
-		return fmt.Errorf("%q is longer than 253 bytes", h)
+	if len(h) > hostname.MaxLength {
+		return fmt.Errorf("%q is longer than %d bytes", h, hostname.MaxLength)
 	}
 	for _, label := range strings.Split(h, ".") {
 		if label == "" {
 			return fmt.Errorf("%q has an empty label", h)
+		}
+		if len(label) > 63 {
+			return fmt.Errorf("%q has a label longer than 63 bytes", h)
 		}
 		for _, r := range label {
 			if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_') {

@@ -239,11 +239,12 @@ func TestValidateErrors(t *testing.T) {
 		{"id with space", func(c *Config) { c.ID = "a b" }, "id: "},
 		{"id not ASCII", func(c *Config) { c.ID = "büro-1" }, `id: "büro-1": must be printable ASCII without spaces (found U+00FC at byte 1)`},
 		{"id control", func(c *Config) { c.ID = "a\x7f" }, "id: "},
-		{"token not ASCII", func(c *Config) { c.Token = "s\u00e9cret" }, "token: must be printable ASCII without spaces (found U+00E9 at byte 1)"},
-		{"token with space", func(c *Config) { c.Token = "two words" }, "token: must be printable ASCII without spaces (found U+0020"},
-		{"token with BOM inside", func(c *Config) { c.Token = "a\ufeffb" }, "token: must be printable ASCII without spaces (found U+FEFF"},
+		{"token not ASCII", func(c *Config) { c.Token = "s\u00e9cret" }, "token: must be printable ASCII (found U+00E9 at byte 1)"},
+		{"token with a tab", func(c *Config) { c.Token = "two\twords" }, "token: must be printable ASCII (found U+0009"},
+		{"token with BOM inside", func(c *Config) { c.Token = "a\ufeffb" }, "token: must be printable ASCII (found U+FEFF"},
+		{"id with a space", func(c *Config) { c.ID = "two words" }, "id: \"two words\": must be printable ASCII without spaces (found U+0020"},
 		{"token_file not ASCII", func(c *Config) { c.Token = ""; c.TokenFile = latin },
-			"token_file: " + latin + ": the token must be printable ASCII without spaces (found U+00E9 at byte 1)"},
+			"token_file: " + latin + ": the token must be printable ASCII (found U+00E9 at byte 1)"},
 		{"id too long", func(c *Config) { c.ID = strings.Repeat("x", 129) }, "id: longer than 128"},
 		{"log_level", func(c *Config) { c.LogLevel = "verbose" }, `log_level: "verbose" not supported`},
 		{"max_connections", func(c *Config) { c.MaxConnections = -1 }, "max_connections: must be >= 0"},
@@ -268,8 +269,10 @@ func TestValidateErrors(t *testing.T) {
 		{"host and host_pattern", func(c *Config) { up(c).HostPattern = "a" }, "upstreams[0].host_pattern: host and host_pattern are mutually exclusive"},
 		{"host_pattern compile", func(c *Config) { up(c).Host = ""; up(c).HostPattern = "a(" }, "upstreams[0].host_pattern: error parsing regexp"},
 		{"host_pattern upper case", func(c *Config) { up(c).Host = ""; up(c).HostPattern = `App\.example\.com` },
-			`upstreams[0].host_pattern: "App\\.example\\.com" must be lower case (hosts are matched lower-cased`},
-		{"host_pattern upper-case escape", func(c *Config) { up(c).Host = ""; up(c).HostPattern = `\D+\.example\.com` }, "upstreams[0].host_pattern: "},
+			`upstreams[0].host_pattern: "App\\.example\\.com" matches 'A' literally, but hosts are matched lower-cased`},
+		{"host_pattern escaping its anchors", func(c *Config) { up(c).Host = ""; up(c).HostPattern = `never\.example)|(.*` }, "upstreams[0].host_pattern: error parsing regexp"},
+		{"host_pattern too complex", func(c *Config) { up(c).Host = ""; up(c).HostPattern = `(?:.*a){1000}` }, "upstreams[0].host_pattern: too complex"},
+		{"host label too long", func(c *Config) { up(c).Host = strings.Repeat("a", 64) + ".com" }, "label longer than 63 bytes"},
 		{"insecure_skip_verify http", func(c *Config) { up(c).InsecureSkipVerify = true }, "upstreams[0].insecure_skip_verify: only valid with an https:// target"},
 		{"tls_passthrough no host", func(c *Config) { c.Upstreams[1].Host = "" }, "upstreams[1].tls_passthrough: requires host or host_pattern"},
 		{"tls_passthrough http", func(c *Config) { c.Upstreams[1].Target = "http://a:1" }, "upstreams[1].tls_passthrough: requires a tcp:// target"},
@@ -553,5 +556,23 @@ func TestApplyEnv(t *testing.T) {
 				t.Errorf("err = %v, want %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// TestValidateAcceptsWhatTheNodeServes: patterns with escapes, classes and
+// named groups, and tokens with inner spaces (printable ASCII, as gRPC
+// metadata allows) pass; Validate rejects only what could never work.
+func TestValidateAcceptsWhatTheNodeServes(t *testing.T) {
+	for _, p := range []string{`\S+\.example\.com`, `\D+\.example\.com`, `\pL+\.example\.com`, `(?P<sub>[a-z]+)\.example\.com`, `(?i)App\.example\.com`} {
+		c := validConfig()
+		c.Upstreams[0].Host, c.Upstreams[0].HostPattern = "", p
+		if err := c.Validate(); err != nil {
+			t.Errorf("host_pattern %q: %v", p, err)
+		}
+	}
+	c := validConfig()
+	c.Token = "correct horse battery staple"
+	if err := c.Validate(); err != nil {
+		t.Errorf("a token with inner spaces: %v", err)
 	}
 }

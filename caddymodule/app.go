@@ -293,7 +293,9 @@ func (a *App) resolveToken() (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("sluice: token_file: %w", err)
 		}
-		t := strings.TrimSpace(string(b))
+		// A byte order mark (editors on Windows write one) is not part
+		// of the token; the agent drops it too.
+		t := strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(string(b)), "\uFEFF"))
 		if t == "" {
 			return "", fmt.Errorf("sluice: token_file: %s is empty", a.TokenFile)
 		}
@@ -384,6 +386,9 @@ func (a *App) Stop() error {
 		return nil // a newer config took over (a normal reload)
 	}
 	a.node.token.Store(a.prev.token)
+	if a.prev.token != nil && *a.prev.token != a.token {
+		a.node.endSessionsWithout(*a.prev.token) // those that came with this config's token
+	}
 	a.node.cert.Store(a.prev.cert)
 	a.node.logger.Store(a.prev.logger)
 	a.node.budget.SetLimit(a.prev.budget)

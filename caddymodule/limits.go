@@ -78,6 +78,12 @@ func (c *counterLimiter) acquire(limit int) (release func(), ok bool) {
 	}, true
 }
 
+func (c *counterLimiter) count() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
+}
+
 // refuseTCP closes a TCP connection refused by a limit, counting and
 // logging it through the throttle.
 func (n *node) refuseTCP(client net.Conn, limit string) {
@@ -109,6 +115,7 @@ type NodeStats struct {
 	MaxConnections int64
 	Refused        int64 // requests and connections refused by a limit
 	AwaitingAgent  int64 // requests waiting (lb_try_duration) for an agent to serve their host
+	PendingStreams int   // authenticated agent streams that have not advertised yet
 	Draining       bool
 }
 
@@ -125,6 +132,7 @@ func Stats() []NodeStats {
 			MaxConnections: n.slots.Limit(),
 			Refused:        n.refused.Load(),
 			AwaitingAgent:  n.awaitingAgent.Load(),
+			PendingStreams: n.pending.count(),
 			Draining:       n.draining.Load(),
 		}
 		for _, a := range n.reg.sessions() {

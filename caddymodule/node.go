@@ -339,6 +339,12 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	}
 	n.sendAck(a, rejected)
 	n.admitMu.Unlock()
+	// A reload may have changed the token since this stream's was checked
+	// (it waited for its Advertise meanwhile): the reload's sweep of old
+	// sessions ran before this one was registered.
+	if cur := n.token.Load(); cur == nil || *cur != token {
+		sess.CloseWithError(errTokenChanged)
+	}
 	go refuseAgentOpened(streamCtx, sess)
 	// stall_progress: whether the stall watchdog reads the connection's
 	// progress (else it times blocked sends alone; see tunnelcore).

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
-	"regexp/syntax"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,6 +14,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/sluice-tunnel/sluice/internal/hostname"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -139,14 +139,8 @@ func newRegistry() *registry {
 const (
 	// maxRoutesPerAdvertise: routes past it are rejected.
 	maxRoutesPerAdvertise = 1024
-	// maxHostLength is the longest DNS name (and request host) routed.
-	maxHostLength = 253
-	// maxPatternLength and maxPatternInsts bound a host_pattern's source
-	// and its compiled program (regexp/syntax instructions; a{1000}
-	// repeats its operand); maxAdvertiseInsts bounds the patterns of one
-	// Advertise together. [a-z0-9-]+\.dev\.example\.com takes 40.
-	maxPatternLength  = 1024
-	maxPatternInsts   = 2000
+	// maxAdvertiseInsts bounds the compiled patterns of one Advertise
+	// together (hostname.MaxPatternInsts bounds each).
 	maxAdvertiseInsts = 20000
 	// maxRouteNameLength bounds a route name (it is echoed in acks, logs
 	// and Connect frames).
@@ -180,12 +174,12 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 		}
 		seen[name] = true
 		e := &routeEntry{route: rt}
-		if h := rt.GetHost(); h != "" && !validRouteHost(h) {
-			reject(fmt.Sprintf("host: %q is not a lower-case host name or IP address of at most %d bytes", h, maxHostLength))
+		if h := rt.GetHost(); h != "" && !hostname.ValidRoute(h) {
+			reject(fmt.Sprintf("host: %q is not a lower-case host name or IP address of at most %d bytes", h, hostname.MaxLength))
 			continue
 		}
 		if p := rt.GetHostPattern(); p != "" {
-			re, n, err := compileHostPattern(p)
+			re, n, err := hostname.CompilePattern(p)
 			if err == nil && insts+n > maxAdvertiseInsts {
 				err = fmt.Errorf("the patterns of one Advertise compile to more than %d instructions together", maxAdvertiseInsts)
 			}
@@ -220,33 +214,6 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 		ok = append(ok, e)
 	}
 	return ok, rejected
-}
-
-// compileHostPattern compiles p to match whole host names. p must parse
-// on its own, so it cannot close the anchors put around it (`x)|(.*`
-// would otherwise match every host).
-// It also returns the size of the compiled program.
-func compileHostPattern(p string) (*regexp.Regexp, int, error) {
-	if len(p) > maxPatternLength {
-		return nil, 0, fmt.Errorf("longer than %d bytes", maxPatternLength)
-	}
-	if _, err := syntax.Parse(p, syntax.Perl); err != nil {
-		return nil, 0, err
-	}
-	whole := "^(?:" + p + ")$"
-	re, err := syntax.Parse(whole, syntax.Perl)
-	if err != nil {
-		return nil, 0, err
-	}
-	prog, err := syntax.Compile(re.Simplify())
-	if err != nil {
-		return nil, 0, err
-	}
-	if n := len(prog.Inst); n > maxPatternInsts {
-		return nil, 0, fmt.Errorf("too complex (%d instructions compiled, at most %d)", n, maxPatternInsts)
-	}
-	compiled, err := regexp.Compile(whole)
-	return compiled, len(prog.Inst), err
 }
 
 // routeName is the name a route goes by in Connect frames.
@@ -457,22 +424,13 @@ func requestHost(hostport string) (host string, ok bool) {
 		h = h[:i]
 	}
 	h = strings.ToLower(strings.TrimSuffix(h, "."))
-	return h, h == "" || validHostName(h)
+	return h, h == "" || hostname.Valid(h)
 }
 
-// validRouteHost reports whether an advertised host can ever equal a
-// request's routing key (requestHost): a lower-case DNS name, an IPv4
-// address or a lower-case IPv6 address without brackets.
-func validRouteHost(h string) bool {
-	if a, err := netip.ParseAddr(h); err == nil && a.Is6() {
-		return strings.ToLower(h) == h
-	}
-	return validHostName(h)
-}
-
-// validPort reports whether s is empty or ":" followed by 1-5 digits.
+// validPort reports whether s is empty or ":" followed by up to 5 digits
+// (RFC 9110 allows an empty port).
 func validPort(s string) bool {
-	if s == "" {
+	if s == "" || s == ":" {
 		return true
 	}
 	if s[0] != ':' || len(s) < 2 || len(s) > 6 {
@@ -481,27 +439,6 @@ func validPort(s string) bool {
 	for _, c := range s[1:] {
 		if c < '0' || c > '9' {
 			return false
-		}
-	}
-	return true
-}
-
-// validHostName reports whether h (lower case, no trailing dot) is a DNS
-// name of labels of letters, digits, '-' and '_' (1-63 bytes each, 253 in
-// all), or an IPv4 address, which is such a name too.
-func validHostName(h string) bool {
-	if len(h) > maxHostLength {
-		return false
-	}
-	for label := range strings.SplitSeq(h, ".") {
-		if len(label) == 0 || len(label) > 63 {
-			return false
-		}
-		for i := 0; i < len(label); i++ {
-			c := label[i]
-			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
-				return false
-			}
 		}
 	}
 	return true

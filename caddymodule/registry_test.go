@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/sluice-tunnel/sluice/internal/hostname"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -112,7 +113,7 @@ func TestAllowedFor(t *testing.T) {
 func TestRequestHost(t *testing.T) {
 	for in, want := range map[string]string{
 		"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1", "[::1]": "::1",
-		"10.0.0.1:443": "10.0.0.1", "a_b.internal": "a_b.internal", "": "",
+		"10.0.0.1:443": "10.0.0.1", "a_b.internal": "a_b.internal", "": "", "app.test:": "app.test",
 	} {
 		if got, ok := requestHost(in); !ok || got != want {
 			t.Errorf("requestHost(%q) = %q, %v; want %q, true", in, got, ok, want)
@@ -120,7 +121,7 @@ func TestRequestHost(t *testing.T) {
 	}
 	for _, in := range []string{
 		"admin.example.com..", "admin.example.com:80:80", "admin%2eexample.com", ".example.com", "a..b",
-		"app.test:", "app.test:http", "app.test:123456", "[::1", "[10.0.0.1]", "[::1]x", "exa mple.com",
+		"app.test:http", "app.test:123456", "[::1", "[10.0.0.1]", "[::1]x", "exa mple.com",
 		strings.Repeat("a", 64) + ".com", strings.Repeat("abcdefghi.", 26) + "com",
 	} {
 		if got, ok := requestHost(in); ok {
@@ -150,7 +151,7 @@ func TestRouteBounds(t *testing.T) {
 		{&tunnelpb.Route{Name: "n", Host: "[::1]"}, "host:"},
 		{&tunnelpb.Route{HostPattern: `never\.example)|(.*`}, "host_pattern:"},
 		{&tunnelpb.Route{HostPattern: `(?:.*a){1000}`}, "too complex"},
-		{&tunnelpb.Route{Name: "n", HostPattern: strings.Repeat("a", maxPatternLength+1)}, "longer than"},
+		{&tunnelpb.Route{Name: "n", HostPattern: strings.Repeat("a", hostname.MaxPatternLength+1)}, "longer than"},
 	} {
 		if _, rejected := validateRoutes([]*tunnelpb.Route{tc.route}); len(rejected) != 1 || !strings.Contains(rejected[0].GetReason(), tc.want) {
 			t.Errorf("route %v: rejected %v, want a reason with %q", tc.route, rejected, tc.want)

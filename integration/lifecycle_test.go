@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/coder/websocket"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/sluice-tunnel/sluice/agent"
 )
@@ -103,8 +105,9 @@ func TestDisplacedSessionEndsAndFreesItsPlace(t *testing.T) {
 	eventually(t, 10*time.Second, "the displaced agent told why", func() bool {
 		return logs.FilterMessageSnippet("replaced by another connection with this agent id").Len() > 0
 	})
-	first.stop() // two live agents of one id would keep displacing each other
+	// Before the fix the displaced session stayed open beside the new one.
 	eventually(t, 5*time.Second, "one session left", func() bool { return c.mustStats(t).Sessions == 1 })
+	first.stop() // two live agents of one id would keep displacing each other
 	other := startAgent(t, c.serverURL(), "other-id", agent.Upstream{Host: "other.test", Target: up})
 	waitConnected(t, other)
 	if n := c.mustStats(t).Sessions; n != 2 {
@@ -247,4 +250,23 @@ func TestTokenChangeEndsSessionsOfTheOldToken(t *testing.T) {
 	if code, _ := get(t, c, "app.test", "/"); code != 200 {
 		t.Fatalf("with an agent holding the new token: %d", code)
 	}
+}
+
+// TestTokenChangeReachesStreamsWaitingToAdvertise: a stream whose token was
+// checked before a reload rotated it, and that advertises after, is ended
+// too: the reload's sweep could not see it yet.
+func TestTokenChangeReachesStreamsWaitingToAdvertise(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	r := limOpenRaw(t, limControlClient(t, c))
+	eventually(t, 5*time.Second, "the stream authorized and awaiting its Advertise", func() bool { return c.mustStats(t).PendingStreams == 1 })
+	c.opts.Sluice = "token rotated-token-0123456789abcdef0123456789"
+	c.load(siteAll)
+	if err := r.advertise("old-token-holder"); err != nil {
+		t.Fatal(err)
+	}
+	e, ok := r.end(10 * time.Second)
+	if !ok || status.Code(e.err) != codes.Unauthenticated {
+		t.Fatalf("old-token stream after the rotation: ended %v with %s, want UNAUTHENTICATED", ok, limStatus(e.err))
+	}
+	eventually(t, 5*time.Second, "no session left", func() bool { return c.mustStats(t).Sessions == 0 })
 }
