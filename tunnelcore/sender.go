@@ -30,8 +30,10 @@ type sender struct {
 	ready  fifo[*Conn]
 	closed bool
 
-	// room wakes the receive loop waiting for the control queue to drain
-	// (roomWanted set) once it is down to half the bound.
+	// full is set while the control queue is over its bound, until it is
+	// down to half (read by the receive loop without the lock, per frame);
+	// room wakes the receive loop waiting for that (roomWanted set).
+	full       atomic.Bool
 	room       chan struct{}
 	roomWanted bool
 }
@@ -71,6 +73,7 @@ func (s *Session) sendControl(f *tunnelpb.Frame) {
 		return
 	}
 	q.ctrl.push(ctrlItem{env: &tunnelpb.Envelope{Frame: f}})
+	q.markFullLocked()
 	q.mu.Unlock()
 	notify(q.wake)
 }
@@ -97,8 +100,15 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 	}
 	c.answerQueued = true
 	q.ctrl.push(ctrlItem{answer: c})
+	q.markFullLocked()
 	q.mu.Unlock()
 	notify(q.wake)
+}
+
+func (q *sender) markFullLocked() {
+	if q.ctrl.len() > controlQueueBound {
+		q.full.Store(true)
+	}
 }
 
 // waitControlRoom returns once the control queue is within its bound, or
@@ -107,8 +117,11 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 func (s *Session) waitControlRoom() bool {
 	q := &s.sender
 	for {
+		if !q.full.Load() {
+			return true
+		}
 		q.mu.Lock()
-		if q.ctrl.len() <= controlQueueBound || q.closed {
+		if !q.full.Load() || q.closed {
 			q.mu.Unlock()
 			return !s.isDone()
 		}
@@ -221,9 +234,12 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 		}
 		if q.ctrl.len() > 0 {
 			it := q.ctrl.pop()
-			if q.roomWanted && q.ctrl.len() <= controlQueueBound/2 {
-				q.roomWanted = false
-				notify(q.room)
+			if q.full.Load() && q.ctrl.len() <= controlQueueBound/2 {
+				q.full.Store(false)
+				if q.roomWanted {
+					q.roomWanted = false
+					notify(q.room)
+				}
 			}
 			env := it.env
 			if c := it.answer; c != nil {
@@ -237,6 +253,7 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 				c.answersOwed--
 				if c.answersOwed > 0 {
 					q.ctrl.push(it)
+					q.markFullLocked()
 				} else {
 					c.answerQueued = false
 				}
