@@ -105,24 +105,24 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 // refuseSocketOptions fails for http transport options about dialing a
 // socket: the agent dials the upstream, so they would be silently ignored.
 func refuseSocketOptions(h *reverseproxy.HTTPTransport) error {
-	refused := func(option string) error {
-		return fmt.Errorf("sluice transport: %s: not applicable, the agent dials the upstream (set it on the agent's host)", option)
-	}
+	var option, why string
 	switch {
 	case h.DialTimeout != 0:
-		return refused("dial_timeout")
+		option, why = "dial_timeout", "the agent dials the upstream (within 10 s; a failure there is a 502)"
 	case h.Resolver != nil:
-		return refused("resolvers")
+		option, why = "resolvers", "the agent resolves the upstream's name with its own host's resolver"
 	case h.LocalAddress != "":
-		return refused("local_address")
+		option, why = "local_address", "the agent dials the upstream from its own host"
 	case h.FallbackDelay != 0:
-		return refused("dial_fallback_delay")
+		option, why = "dial_fallback_delay", "the agent dials the upstream from its own host"
 	case h.ForwardProxyURL != "" || len(h.NetworkProxyRaw) > 0:
-		return refused("network_proxy/forward_proxy_url")
+		option, why = "network_proxy/forward_proxy_url", "the agent dials the upstream directly"
 	case h.KeepAlive != nil && h.KeepAlive.ProbeInterval != 0:
-		return errors.New("sluice transport: keepalive_interval: not applicable, a virtual connection has no TCP socket (the tunnel's gRPC keepalive watches the link)")
+		option, why = "keepalive_interval", "a virtual connection has no TCP socket (the tunnel's gRPC keepalive watches the link)"
+	default:
+		return nil
 	}
-	return nil
+	return fmt.Errorf("sluice transport: %s: not applicable, %s", option, why)
 }
 
 // dialTLS returns rt's TLS dialer: a virtual connection, then the TLS
