@@ -449,3 +449,21 @@ func TestInvalidHostNeverReachesTheCatchAll(t *testing.T) {
 		}
 	}
 }
+
+// TestHTTPSTargetBehindAnH2CTransport: an agent's https:// target speaks
+// HTTP/1.1 inside its TLS session (the agent offers ALPN http/1.1 only), so
+// its route is advertised force_http1 and a site whose transport speaks h2c
+// to the agents still reaches it, over HTTP/1.1.
+func TestHTTPSTargetBehindAnH2CTransport(t *testing.T) {
+	up := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "%s over %s", r.Host, r.Proto)
+	}))
+	up.EnableHTTP2 = true
+	up.StartTLS()
+	t.Cleanup(up.Close)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true}, grpcSite)
+	startAgent(t, c.serverURL(), "agent-https", agent.Upstream{Host: "app.test", Target: up.URL, InsecureSkipVerify: true})
+	if code, body := get(t, c, "app.test", "/"); code != 200 || body != "app.test over HTTP/1.1" {
+		t.Fatalf("https target behind versions h2c: %d %q, want 200 \"app.test over HTTP/1.1\"", code, body)
+	}
+}
