@@ -505,7 +505,7 @@ func (u *Upstream) validate(field string) []error {
 	if u.Host != "" {
 		if h, err := stripBrackets(u.Host); err != nil {
 			fail("host", "%v", err)
-		} else if err := checkHostName(h); err != nil {
+		} else if err := hostname.Check(h); err != nil {
 			fail("host", "%v", err)
 		} else {
 			u.Host = h
@@ -669,32 +669,4 @@ func stripBrackets(h string) (string, error) {
 		return "", fmt.Errorf("%q: brackets are only allowed around an IPv6 address, without port", h)
 	}
 	return inner, nil
-}
-
-// checkHostName accepts lowercase DNS names (letters, digits, '-', '_'),
-// and IP addresses without brackets; no port.
-func checkHostName(h string) error {
-	if strings.Contains(h, ":") {
-		if _, err := netip.ParseAddr(h); err == nil {
-			return nil
-		}
-		return fmt.Errorf("%q: no port allowed (use the bare host name)", h)
-	}
-	if len(h) > hostname.MaxLength {
-		return fmt.Errorf("%q is longer than %d bytes", h, hostname.MaxLength)
-	}
-	for _, label := range strings.Split(h, ".") {
-		if label == "" {
-			return fmt.Errorf("%q has an empty label", h)
-		}
-		if len(label) > 63 {
-			return fmt.Errorf("%q has a label longer than 63 bytes", h)
-		}
-		for _, r := range label {
-			if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
-				return fmt.Errorf("%q: invalid character %q (want an exact host name; use host_pattern for patterns)", h, r)
-			}
-		}
-	}
-	return nil
 }

@@ -12,6 +12,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+
+	"github.com/sluice-tunnel/sluice/internal/hostname"
 )
 
 func init() {
@@ -105,7 +107,7 @@ func (h *Handler) Cleanup() error {
 // and proxies otherwise.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	n := h.app.node
-	host, ok := requestHost(r.Host)
+	host, ok := hostname.RoutingKey(r.Host)
 	if !ok {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.WriteHeader(http.StatusBadRequest)

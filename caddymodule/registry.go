@@ -154,8 +154,9 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 	insts := 0
 	for i, rt := range routes {
 		name := routeName(rt)
-		if len(name) > maxRouteNameLength {
-			name = name[:maxRouteNameLength]
+		tooLong := len(name) > maxRouteNameLength
+		if tooLong {
+			name = name[:maxRouteNameLength] // as echoed in the rejection
 		}
 		reject := func(reason string) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: name, ListenPort: rt.GetListenPort(), Reason: reason})
@@ -164,7 +165,7 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 			reject(fmt.Sprintf("more than %d routes in one Advertise", maxRoutesPerAdvertise))
 			continue
 		}
-		if len(routeName(rt)) > maxRouteNameLength {
+		if tooLong {
 			reject(fmt.Sprintf("route name longer than %d bytes", maxRouteNameLength))
 			continue
 		}
@@ -392,56 +393,6 @@ func (r *registry) sessions() []*agentSession {
 	}
 	slices.SortFunc(out, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
 	return out
-}
-
-// requestHost validates a request's Host and returns its routing key: the
-// host lowercased, without port, brackets or the trailing dot of a fully
-// qualified name. ok is false for anything else (a second port, an empty
-// label, percent-encoding, a name over 253 bytes): such a Host must not
-// fall through to a pattern or catch-all route with an upstream that
-// might read it as the host it resembles. An empty Host (HTTP/1.0) is
-// valid and routes to the catch-all.
-func requestHost(hostport string) (host string, ok bool) {
-	h := hostport
-	if strings.HasPrefix(h, "[") {
-		end := strings.IndexByte(h, ']')
-		if end < 0 || !validPort(h[end+1:]) {
-			return "", false
-		}
-		a, err := netip.ParseAddr(h[1:end])
-		if err != nil || !a.Is6() {
-			return "", false
-		}
-		return strings.ToLower(h[1:end]), true
-	}
-	if i := strings.IndexByte(h, ':'); i >= 0 {
-		if a, err := netip.ParseAddr(h); err == nil && a.Is6() {
-			return strings.ToLower(h), true // a bare IPv6 literal
-		}
-		if !validPort(h[i:]) {
-			return "", false
-		}
-		h = h[:i]
-	}
-	h = strings.ToLower(strings.TrimSuffix(h, "."))
-	return h, h == "" || hostname.Valid(h)
-}
-
-// validPort reports whether s is empty or ":" followed by up to 5 digits
-// (RFC 9110 allows an empty port).
-func validPort(s string) bool {
-	if s == "" || s == ":" {
-		return true
-	}
-	if s[0] != ':' || len(s) < 2 || len(s) > 6 {
-		return false
-	}
-	for _, c := range s[1:] {
-		if c < '0' || c > '9' {
-			return false
-		}
-	}
-	return true
 }
 
 // reroute replaces the routes of a registered session (a repeated

@@ -110,26 +110,6 @@ func TestAllowedFor(t *testing.T) {
 	}
 }
 
-func TestRequestHost(t *testing.T) {
-	for in, want := range map[string]string{
-		"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1", "[::1]": "::1",
-		"10.0.0.1:443": "10.0.0.1", "a_b.internal": "a_b.internal", "": "", "app.test:": "app.test",
-	} {
-		if got, ok := requestHost(in); !ok || got != want {
-			t.Errorf("requestHost(%q) = %q, %v; want %q, true", in, got, ok, want)
-		}
-	}
-	for _, in := range []string{
-		"admin.example.com..", "admin.example.com:80:80", "admin%2eexample.com", ".example.com", "a..b",
-		"app.test:http", "app.test:123456", "[::1", "[10.0.0.1]", "[::1]x", "exa mple.com",
-		strings.Repeat("a", 64) + ".com", strings.Repeat("abcdefghi.", 26) + "com",
-	} {
-		if got, ok := requestHost(in); ok {
-			t.Errorf("requestHost(%q) = %q, true; want invalid", in, got)
-		}
-	}
-}
-
 // TestRouteBounds: an Advertise is bounded in route count, name and host
 // length, and pattern size; a pattern cannot close the anchors around it.
 func TestRouteBounds(t *testing.T) {

@@ -8,6 +8,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/sluice-tunnel/sluice/internal/hostname"
 )
 
 func init() {
@@ -46,7 +48,7 @@ func (u *Upstreams) Provision(ctx caddy.Context) error {
 // GetUpstreams implements reverseproxy.UpstreamSource. The upstreams are
 // allocated anew on every call: reverse_proxy mutates them.
 func (u *Upstreams) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
-	host, ok := requestHost(r.Host)
+	host, ok := hostname.RoutingKey(r.Host)
 	if !ok {
 		return nil, nil // an invalid Host reaches no route, not even the catch-all
 	}

@@ -52,3 +52,25 @@ func TestUpperCaseLiteral(t *testing.T) {
 		}
 	}
 }
+
+// TestRoutingKey: the forms of Host a request may carry, and those that
+// must reach no route.
+func TestRoutingKey(t *testing.T) {
+	for in, want := range map[string]string{
+		"App.Test:8080": "app.test", "app.test.": "app.test", "[::1]:80": "::1", "::1": "::1", "[::1]": "::1",
+		"10.0.0.1:443": "10.0.0.1", "a_b.internal": "a_b.internal", "": "", "app.test:": "app.test",
+	} {
+		if got, ok := RoutingKey(in); !ok || got != want {
+			t.Errorf("RoutingKey(%q) = %q, %v; want %q, true", in, got, ok, want)
+		}
+	}
+	for _, in := range []string{
+		"admin.example.com..", "admin.example.com:80:80", "admin%2eexample.com", ".example.com", "a..b",
+		"app.test:http", "app.test:123456", "[::1", "[10.0.0.1]", "[::1]x", "exa mple.com",
+		strings.Repeat("a", 64) + ".com", strings.Repeat("abcdefghi.", 26) + "com",
+	} {
+		if got, ok := RoutingKey(in); ok {
+			t.Errorf("RoutingKey(%q) = %q, true; want invalid", in, got)
+		}
+	}
+}
