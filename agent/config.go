@@ -25,6 +25,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
+	"github.com/sluice-tunnel/sluice/internal/ident"
 )
 
 // Config is the agent's configuration (YAML file, flags, SLUICE_* environment).
@@ -348,7 +349,7 @@ func (c *Config) Validate() error {
 	}
 
 	// token
-	c.Token = trimToken(c.Token)
+	c.Token = ident.TrimToken(c.Token)
 	switch {
 	case c.TokenFile != "" && c.Token != "" && (c.tokenFrom != c.TokenFile || c.tokenRead != c.Token):
 		fail("token", "token and token_file are mutually exclusive")
@@ -358,13 +359,13 @@ func (c *Config) Validate() error {
 			fail("token_file", "%v", err)
 			break
 		}
-		tok := trimToken(string(data))
+		tok := ident.TrimToken(string(data))
 		if tok == "" {
 			fail("token_file", "%s is empty", c.TokenFile)
 			break
 		}
 		// The token itself is not quoted: it is a secret.
-		if err := checkMetadata(tok, true); err != nil {
+		if err := ident.CheckToken(tok); err != nil {
 			fail("token_file", "%s: the token %v", c.TokenFile, err)
 			break
 		}
@@ -372,7 +373,7 @@ func (c *Config) Validate() error {
 	case c.Token == "":
 		fail("token", "required (set token or token_file)")
 	default:
-		if err := checkMetadata(c.Token, true); err != nil {
+		if err := ident.CheckToken(c.Token); err != nil {
 			fail("token", "%v", err)
 		}
 	}
@@ -381,10 +382,8 @@ func (c *Config) Validate() error {
 	c.ID = strings.TrimSpace(c.ID)
 	if c.ID == "" {
 		c.ID = NewID()
-	} else if len(c.ID) > 128 {
-		fail("id", "longer than 128 bytes")
-	} else if err := checkMetadata(c.ID, false); err != nil {
-		fail("id", "%q: %v", c.ID, err)
+	} else if err := ident.CheckID(c.ID); err != nil {
+		fail("id", "%v", err)
 	}
 
 	// log level, max connections
@@ -429,32 +428,6 @@ func (c *Config) Validate() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// trimToken removes a leading UTF-8 byte order mark (left by some editors
-// at the start of a token file) and surrounding white space.
-func trimToken(s string) string {
-	return strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(s), "\uFEFF"))
-}
-
-// checkMetadata accepts printable ASCII (0x20-0x7E): gRPC refuses other
-// bytes in metadata values, which would fail every attempt to connect
-// rather than stop the agent with a configuration error. spaces says
-// whether a space is allowed (inside a token it is; the agent id, which the
-// node shows in its logs, has none).
-func checkMetadata(s string, spaces bool) error {
-	for i, r := range s {
-		if r == ' ' && spaces {
-			continue
-		}
-		if r < 0x21 || r > 0x7e {
-			if spaces {
-				return fmt.Errorf("must be printable ASCII (found %U at byte %d)", r, i)
-			}
-			return fmt.Errorf("must be printable ASCII without spaces (found %U at byte %d)", r, i)
-		}
-	}
-	return nil
 }
 
 // routeKey identifies what the upstream routes, to detect two upstreams

@@ -334,7 +334,7 @@ func (a *Agent) Run(ctx context.Context) error {
 // stream of the same agent id replaced it.
 func displaced(err error) bool {
 	code, msg := statusOf(err)
-	return code == codes.Aborted && strings.Contains(msg, "replaced by a newer stream")
+	return code == codes.Aborted && strings.Contains(msg, tunnelpb.StatusReplaced)
 }
 
 // sessionResult is how one session attempt ended.

@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
+	"github.com/sluice-tunnel/sluice/internal/ident"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
@@ -293,9 +294,7 @@ func (a *App) resolveToken() (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("sluice: token_file: %w", err)
 		}
-		// A byte order mark (editors on Windows write one) is not part
-		// of the token; the agent drops it too.
-		t := strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(string(b)), "\uFEFF"))
+		t := ident.TrimToken(string(b)) // as the agent reads the same file
 		if t == "" {
 			return "", fmt.Errorf("sluice: token_file: %s is empty", a.TokenFile)
 		}

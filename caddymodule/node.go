@@ -25,6 +25,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/sluice-tunnel/sluice/internal/ident"
 	"github.com/sluice-tunnel/sluice/internal/logthrottle"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
@@ -386,7 +387,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 // errReplaced ends a session that a newer stream of the same agent id
 // replaced. The agent gets it as ABORTED: two live agents sharing an id
 // displace each other at their reconnect pace.
-var errReplaced = errors.New("replaced by a newer stream of the same agent id")
+var errReplaced = errors.New(tunnelpb.StatusReplaced)
 
 // readAdvertise waits for the agent's first frame, which must be Advertise.
 func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (*tunnelpb.Advertise, error) {
@@ -417,13 +418,14 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 		return nil, status.Error(codes.FailedPrecondition, "first frame must be Advertise, got Data")
 	}
 	adv := r.env.Frame.GetAdvertise()
+	idErr := ident.CheckID(adv.GetAgentId())
 	switch {
 	case adv == nil:
 		return nil, status.Errorf(codes.FailedPrecondition, "first frame must be Advertise, got %T", r.env.Frame.GetKind())
 	case adv.GetAgentId() == "":
 		return nil, status.Error(codes.InvalidArgument, "Advertise.agent_id is empty")
-	case len(adv.GetAgentId()) > maxAgentIDLength || !printableASCII(adv.GetAgentId()):
-		return nil, status.Errorf(codes.InvalidArgument, "Advertise.agent_id must be at most %d bytes of printable ASCII", maxAgentIDLength)
+	case idErr != nil:
+		return nil, status.Errorf(codes.InvalidArgument, "Advertise.agent_id: %v", idErr)
 	case len(adv.GetBuild()) > maxBuildLength:
 		return nil, status.Errorf(codes.InvalidArgument, "Advertise.build longer than %d bytes", maxBuildLength)
 	case adv.GetInitialWindow() < tunnelcore.InitialWindow:
@@ -472,24 +474,14 @@ func names(es []*routeEntry) []string {
 	return out
 }
 
-// What an agent may put in the node's log lines is bounded: its id (as the
-// agent itself enforces), its build string, the routes listed, the text of
-// its Error frames.
+// What an agent may put in the node's log lines is bounded: its id
+// (ident.CheckID, as the agent itself enforces), its build string, the
+// routes listed, the text of its Error frames.
 const (
-	maxAgentIDLength = 128
 	maxBuildLength   = 256
 	maxLoggedRoutes  = 32
 	maxLoggedMessage = 256
 )
-
-func printableASCII(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if s[i] < 0x21 || s[i] > 0x7e {
-			return false
-		}
-	}
-	return true
-}
 
 // truncate shortens s to at most n bytes, marking the cut.
 func truncate(s string, n int) string {
