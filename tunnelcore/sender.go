@@ -105,6 +105,42 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 	notify(q.wake)
 }
 
+// popControlLocked takes the next control frame; the receive loop waiting
+// for room is woken once the queue is down to half its bound.
+func (q *sender) popControlLocked() *tunnelpb.Envelope {
+	it := q.ctrl.pop()
+	if q.full.Load() && q.ctrl.len() <= controlQueueBound/2 {
+		q.full.Store(false)
+		if q.roomWanted {
+			q.roomWanted = false
+			notify(q.room)
+		}
+	}
+	if it.answer != nil {
+		return q.reclaimAnswerLocked(it)
+	}
+	return it.env
+}
+
+// reclaimAnswerLocked builds one of the reclaim answers it.answer owes
+// (see sendReclaimAnswer): the first carries what was released meanwhile,
+// the others 0. While more are owed the entry goes back in the queue.
+func (q *sender) reclaimAnswerLocked(it ctrlItem) *tunnelpb.Envelope {
+	c := it.answer
+	r := min(c.answerReleased, math.MaxUint32)
+	c.answerReleased -= r
+	c.answersOwed--
+	if c.answersOwed > 0 {
+		q.ctrl.push(it)
+		q.markFullLocked()
+	} else {
+		c.answerQueued = false
+	}
+	return &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(r)},
+	}}}
+}
+
 func (q *sender) markFullLocked() {
 	if q.ctrl.len() > controlQueueBound {
 		q.full.Store(true)
@@ -233,31 +269,7 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 			return nil, nil
 		}
 		if q.ctrl.len() > 0 {
-			it := q.ctrl.pop()
-			if q.full.Load() && q.ctrl.len() <= controlQueueBound/2 {
-				q.full.Store(false)
-				if q.roomWanted {
-					q.roomWanted = false
-					notify(q.room)
-				}
-			}
-			env := it.env
-			if c := it.answer; c != nil {
-				// One answer per request owed; the first carries what
-				// was released meanwhile, the others 0.
-				r := min(c.answerReleased, math.MaxUint32)
-				env = &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
-					WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(r)},
-				}}}
-				c.answerReleased -= r
-				c.answersOwed--
-				if c.answersOwed > 0 {
-					q.ctrl.push(it)
-					q.markFullLocked()
-				} else {
-					c.answerQueued = false
-				}
-			}
+			env := q.popControlLocked()
 			q.mu.Unlock()
 			return env, nil
 		}
