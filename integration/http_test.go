@@ -311,53 +311,51 @@ func echoWS(t testing.TB, ws *websocket.Conn, n int) {
 // of opening new ones (each a Connect through the tunnel and a TCP dial by
 // the agent, which the upstream counts).
 func TestIdleVirtualConnectionsAreReused(t *testing.T) {
-	const wave = 64
-	c := startCaddy(t, siteAll)
-	up := startLimHoldUpstream(t)
-	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
-	cl := limClient()
-	defer cl.CloseIdleConnections()
-	runWave := func() int64 { return heldWave(t, c, cl, up, "hold.test", wave) }
-	if n := runWave(); n != wave {
-		t.Fatalf("first wave opened %d upstream connections, want %d", n, wave)
-	}
+	_, wave := pooledHoldSite(t, 64)
 	// With Caddy's default of 32 idle connections per host the second wave
 	// would open at least 32 new ones.
-	if n := runWave(); n >= 32 {
+	if n := wave(); n >= 32 {
 		t.Fatalf("second wave opened %d upstream connections: the idle ones were not kept", n)
 	}
 }
 
-// heldWave sends n concurrent requests for host, held at the upstream until
-// all of them arrived (so they need n upstream connections at once), and
-// returns how many upstream connections the wave opened.
-func heldWave(t *testing.T, c *caddyServer, cl *http.Client, up *limHoldUpstream, host string, n int) int64 {
+// pooledHoldSite starts Caddy, an upstream that holds requests and counts
+// its connections, and agent-a serving hold.test; then it runs a first
+// wave of n concurrent requests, held at the upstream until all arrived (so
+// they need n upstream connections at once), and checks it opened n. wave
+// runs another such wave and returns how many upstream connections it
+// opened.
+func pooledHoldSite(t *testing.T, n int) (c *caddyServer, wave func() int64) {
 	t.Helper()
-	before := up.opened.Load()
-	out := limFill(t, c, cl, up, host, n)
-	up.release()
-	limCollect(t, out, n, http.StatusOK)
-	return up.opened.Load() - before
+	c = startCaddy(t, siteAll)
+	up := startLimHoldUpstream(t)
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
+	cl := limClient()
+	t.Cleanup(cl.CloseIdleConnections)
+	wave = func() int64 {
+		t.Helper()
+		before := up.opened.Load()
+		out := limFill(t, c, cl, up, "hold.test", n)
+		up.release()
+		limCollect(t, out, n, http.StatusOK)
+		return up.opened.Load() - before
+	}
+	if opened := wave(); opened != int64(n) {
+		t.Fatalf("first wave opened %d upstream connections, want %d", opened, n)
+	}
+	return c, wave
 }
 
 // TestAnotherAgentLeavingKeepsThePool: an agent's session ending drops
 // only its own pooled connections (they fail with it); another agent's
 // idle ones stay in use.
 func TestAnotherAgentLeavingKeepsThePool(t *testing.T) {
-	const wave = 16
-	c := startCaddy(t, siteAll)
-	up := startLimHoldUpstream(t)
-	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "hold.test", Target: up.url})
-	cl := limClient()
-	defer cl.CloseIdleConnections()
-	runWave := func() int64 { return heldWave(t, c, cl, up, "hold.test", wave) }
-	if n := runWave(); n != wave {
-		t.Fatalf("first wave opened %d upstream connections, want %d", n, wave)
-	}
-	other := startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "other.test", Target: up.url})
+	c, wave := pooledHoldSite(t, 16)
+	up := startUpstream(t, "other")
+	other := startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "other.test", Target: up})
 	other.stop()
 	eventually(t, 5*time.Second, "agent-b's session gone", func() bool { return c.mustStats(t).Sessions == 1 })
-	if n := runWave(); n != 0 {
+	if n := wave(); n != 0 {
 		t.Fatalf("after another agent left, the wave opened %d upstream connections: the pool was dropped", n)
 	}
 }

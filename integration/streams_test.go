@@ -246,33 +246,30 @@ func TestStreamPolicyClassification(t *testing.T) {
 		c.expectStreamLine(t, uri, "response_content_type", "completed")
 	})
 
-	t.Run("idle timeout cuts a silent stream", func(t *testing.T) {
-		uri := "/silent?id=d1"
-		s := openSSE(t, client, sseRequest(t, c.url(uri), "d.test", true))
-		if ev := s.mustNext(t, 10*time.Second); ev != "data: only" {
-			t.Fatalf("first event %q", ev)
-		}
-		n, ended, err := s.end(2 * time.Second)
-		if !ended || n != 0 {
-			t.Fatalf("silent stream not cut within 2 s of its last event (stream_idle_timeout 300ms): ended %v, %d events", ended, n)
-		}
-		t.Logf("silent stream ended with %v", err)
-		up.expectCut(t, "d1", 5*time.Second) // and the upstream request was closed too
-		c.expectStreamLine(t, uri, "request_accept", "idle_timeout")
-	})
-
-	t.Run("idle timeout cuts a silent path-prefix stream of any type", func(t *testing.T) {
-		uri := "/feed?id=f1"
-		s := openSSE(t, client, sseRequest(t, c.url(uri), "f.test", false))
+	// expectIdleCut: a stream that sends one line and then nothing is cut
+	// within 2 s by its site's stream_idle_timeout of 300ms, the upstream
+	// request is closed too, and the stream's line says idle_timeout.
+	expectIdleCut := func(t *testing.T, uri, id, host string, accept bool, class string) {
+		t.Helper()
+		s := openSSE(t, client, sseRequest(t, c.url(uri), host, accept))
 		if ev := s.mustNext(t, 10*time.Second); ev != "data: only" {
 			t.Fatalf("first line %q", ev)
 		}
-		n, ended, _ := s.end(2 * time.Second)
+		n, ended, err := s.end(2 * time.Second)
 		if !ended || n != 0 {
-			t.Fatalf("silent NDJSON stream not cut within 2 s (stream_idle_timeout 300ms): ended %v, %d lines", ended, n)
+			t.Fatalf("silent stream not cut within 2 s of its last line (stream_idle_timeout 300ms): ended %v, %d lines", ended, n)
 		}
-		up.expectCut(t, "f1", 5*time.Second)
-		c.expectStreamLine(t, uri, "path_prefix", "idle_timeout")
+		t.Logf("silent stream ended with %v", err)
+		up.expectCut(t, id, 5*time.Second)
+		c.expectStreamLine(t, uri, class, "idle_timeout")
+	}
+
+	t.Run("idle timeout cuts a silent stream", func(t *testing.T) {
+		expectIdleCut(t, "/silent?id=d1", "d1", "d.test", true, "request_accept")
+	})
+
+	t.Run("idle timeout cuts a silent path-prefix stream of any type", func(t *testing.T) {
+		expectIdleCut(t, "/feed?id=f1", "f1", "f.test", false, "path_prefix") // NDJSON
 	})
 
 	t.Run("idle timeout spares a stream that keeps talking", func(t *testing.T) {
