@@ -42,8 +42,9 @@ type Conn struct {
 
 	rdl, wdl deadline
 
-	// queued is what this connection has in front of the sender. It is
-	// decremented by the sender, which does not take mu.
+	// queued is what this connection has in front of the sender, each
+	// DATA frame counted by frameCharge. It is decremented by the sender,
+	// which does not take mu.
 	queued atomic.Int64
 
 	// bytesRead and bytesWritten count payload taken by the reader and
@@ -53,8 +54,10 @@ type Conn struct {
 	mu sync.Mutex
 	// receive direction
 	rq       fifo[mem.Buffer]
-	buffered int64 // bytes received and not yet consumed (including those WriteTo holds)
-	taken    int64 // bytes WriteTo took out of rq, still counted in buffered
+	open     *[]byte // small payloads gathered after rq's last buffer (see smallPayload)
+	openLen  int     // bytes of open in use
+	buffered int64   // bytes received and not yet consumed (including those WriteTo holds)
+	taken    int64   // bytes WriteTo took out of rq, still counted in buffered
 	rwin     recvWindow
 	readEOF  bool  // the peer half-closed its direction
 	rerr     error // the reason reads fail once the buffer is empty
@@ -174,7 +177,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 			return 0, timeoutError{}
 		}
 		c.mu.Lock()
-		if c.rq.len() > 0 {
+		if c.hasBufferedLocked() {
 			n := c.copyOutLocked(p)
 			inc := c.consumeLocked(int64(n))
 			c.mu.Unlock()
@@ -219,7 +222,7 @@ func (c *Conn) waitRead() error {
 // copyOutLocked copies buffered bytes into p, freeing drained buffers.
 func (c *Conn) copyOutLocked(p []byte) int {
 	n := 0
-	for n < len(p) && c.rq.len() > 0 {
+	for n < len(p) && c.nextBufferLocked() {
 		b := c.rq.items[c.rq.head]
 		data := b.ReadOnlyData()
 		m := copy(p[n:], data)
@@ -375,7 +378,7 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 			return nil, timeoutError{}
 		}
 		c.mu.Lock()
-		if c.rq.len() > 0 {
+		if c.hasBufferedLocked() {
 			bufs := c.takeBatchLocked()
 			c.mu.Unlock()
 			return bufs, nil
@@ -403,7 +406,7 @@ const writeToBatch = 256 << 10
 func (c *Conn) takeBatchLocked() []mem.Buffer {
 	var bufs []mem.Buffer
 	size := 0
-	for c.rq.len() > 0 && (len(bufs) == 0 || size+c.rq.items[c.rq.head].Len() <= writeToBatch) {
+	for c.nextBufferLocked() && (len(bufs) == 0 || size+c.rq.items[c.rq.head].Len() <= writeToBatch) {
 		b := c.rq.pop()
 		size += b.Len()
 		bufs = append(bufs, b)
@@ -446,10 +449,10 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 		buf := pool.Get(n)
 		m, rerr := r.Read(*buf)
 		if m < n {
-			c.unreserve(int64(n - m))
+			c.unreserve(int64(n), int64(m))
 		}
 		if m > 0 {
-			*buf = (*buf)[:m]
+			buf = fitBuffer(buf, m)
 			if err := c.s.sendData(c, mem.NewBuffer(buf, pool)); err != nil {
 				return total, err
 			}
@@ -484,12 +487,13 @@ func (c *Conn) reserve(want int) (int, error) {
 			return 0, ErrWriteClosed
 		}
 		if room := int64(c.s.cfg.SendQueue) - c.queued.Load(); c.credit > 0 && room > 0 {
-			// Never past SendQueue: the sender only lowers queued, so
-			// the room measured here is there.
+			// Never past SendQueue by more than one frame's minimum
+			// charge: the sender only lowers queued, so the room
+			// measured here is there.
 			n := int64(min(want, c.s.cfg.MaxFrameSize))
 			n = min(n, c.credit, room)
 			c.credit -= n
-			c.queued.Add(n)
+			c.queued.Add(frameCharge(n))
 			c.mu.Unlock()
 			return int(n), nil
 		}
@@ -519,11 +523,12 @@ func (c *Conn) reserve(want int) (int, error) {
 	}
 }
 
-func (c *Conn) unreserve(n int64) {
+// unreserve gives back what a reservation of reserved bytes did not use.
+func (c *Conn) unreserve(reserved, used int64) {
 	c.mu.Lock()
-	c.credit += n
+	c.credit += reserved - used
 	c.mu.Unlock()
-	c.queued.Add(-n)
+	c.queued.Add(frameCharge(used) - frameCharge(reserved))
 }
 
 // dataRefused gives back the credit of n reserved bytes the sender refused
@@ -603,6 +608,7 @@ func (c *Conn) Close() error {
 }
 
 func (c *Conn) dropBufferedLocked() {
+	c.sealOpenLocked()
 	for c.rq.len() > 0 {
 		c.rq.pop().Free()
 	}
@@ -685,9 +691,7 @@ func (c *Conn) onData(payload mem.BufferSlice) {
 		c.fail(ErrFlowControl, tunnelpb.Error_FLOW_CONTROL, "data beyond granted credit")
 		return
 	}
-	for _, b := range payload {
-		c.rq.push(b)
-	}
+	c.bufferLocked(payload, n)
 	c.buffered += n
 	c.s.buffered.Add(n)
 	c.mu.Unlock()

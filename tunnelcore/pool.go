@@ -90,3 +90,19 @@ func (p *dirtyPool) Put(bp *[]byte) {
 		}
 	}
 }
+
+// fitBuffer returns a pool buffer holding the first n bytes of buf. A read
+// that filled a small part of a large buffer is copied into a buffer of its
+// own size, and the large one goes back to the pool: a connection trickling
+// small reads (an interactive protocol, or a client sending a byte at a
+// time) would otherwise queue a 256 KiB buffer per frame.
+func fitBuffer(buf *[]byte, n int) *[]byte {
+	if n >= len(*buf)/4 {
+		*buf = (*buf)[:n]
+		return buf
+	}
+	fit := bufferPool.Get(n)
+	copy(*fit, (*buf)[:n])
+	bufferPool.Put(buf)
+	return fit
+}

@@ -171,6 +171,23 @@ func (s *Session) waitControlRoom() bool {
 	}
 }
 
+// minFrameCharge is the least a queued DATA frame counts against
+// Config.SendQueue: the smallest buffer the pool hands out, which even a
+// one-byte frame holds. Counting payload bytes alone, a peer granting credit
+// a byte at a time while it stopped reading would have each connection queue
+// a quarter of a million one-byte frames, each holding a buffer and an
+// envelope.
+const minFrameCharge = 4 << 10
+
+// frameCharge is what a DATA frame of n payload bytes counts against the
+// connection's queue allowance.
+func frameCharge(n int64) int64 {
+	if n <= 0 {
+		return 0
+	}
+	return max(n, minFrameCharge)
+}
+
 func (s *Session) sendConnFrame(c *Conn, f *tunnelpb.Frame) {
 	s.sender.enqueue(c, &tunnelpb.Envelope{Frame: f}, false)
 }
@@ -223,7 +240,7 @@ func (q *sender) enqueue(c *Conn, env *tunnelpb.Envelope, fin bool) bool {
 func (q *sender) discard(c *Conn, env *tunnelpb.Envelope) {
 	if env.IsData() {
 		if c != nil {
-			c.queued.Add(-int64(env.Payload.Len()))
+			c.queued.Add(-frameCharge(int64(env.Payload.Len())))
 		}
 		env.Payload.Free()
 	}
@@ -293,7 +310,7 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 			}
 			q.mu.Unlock()
 			if env.IsData() {
-				c.queued.Add(-int64(env.Payload.Len()))
+				c.queued.Add(-frameCharge(int64(env.Payload.Len())))
 				notify(c.writeNotify)
 			}
 			if remove {

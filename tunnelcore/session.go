@@ -289,7 +289,8 @@ type Stats struct {
 	Conns int
 	// Buffered is the bytes received and not yet read, all connections.
 	Buffered int64
-	// Queued is the bytes of DATA waiting in front of the sender.
+	// Queued is the bytes of DATA waiting in front of the sender, each
+	// frame counted at least minFrameCharge (4 KiB), the buffer it holds.
 	Queued int64
 }
 

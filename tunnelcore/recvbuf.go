@@ -1,0 +1,84 @@
+package tunnelcore
+
+import "google.golang.org/grpc/mem"
+
+// smallPayload is the size below which a received DATA payload is copied
+// into the connection's open chunk instead of being buffered by reference.
+//
+// The receive window counts payload bytes, but what a buffered payload holds
+// is more: the buffer the transport read it into (gRPC reads each 16 KiB
+// HTTP/2 frame into one pooled buffer, and a payload sliced out of it keeps
+// the whole buffer alive) and a queue entry of its own. A peer sending
+// one-byte DATA frames to a connection whose reader has stalled would
+// otherwise make each byte of the window hold up to a 16 KiB buffer, or at
+// least a hundred bytes of bookkeeping: a 64 KiB window could pin a GiB.
+// Gathered, small payloads cost what they carry. A payload of at least
+// 16 KiB spans at most two frame buffers beyond its own bytes, so it is kept
+// by reference as bulk transfers (256 KiB frames) are, without a copy.
+const smallPayload = 16 << 10
+
+// openChunkSize is the size of the pooled chunk small payloads are gathered
+// in; a tier of the buffer pool.
+const openChunkSize = 16 << 10
+
+// bufferLocked appends a received payload of n bytes to the receive queue,
+// taking ownership of it.
+func (c *Conn) bufferLocked(payload mem.BufferSlice, n int64) {
+	if n >= smallPayload {
+		c.sealOpenLocked() // what was gathered came first
+		for _, b := range payload {
+			c.rq.push(b)
+		}
+		return
+	}
+	for _, b := range payload {
+		c.gatherLocked(b.ReadOnlyData())
+	}
+	payload.Free()
+}
+
+// gatherLocked copies data into the open chunk, sealing each chunk it
+// fills.
+func (c *Conn) gatherLocked(data []byte) {
+	for len(data) > 0 {
+		if c.open == nil {
+			c.open = bufferPool.Get(openChunkSize)
+			c.openLen = 0
+		}
+		m := copy((*c.open)[c.openLen:], data)
+		c.openLen += m
+		data = data[m:]
+		if c.openLen == len(*c.open) {
+			c.sealOpenLocked()
+		}
+	}
+}
+
+// sealOpenLocked moves the open chunk, if it holds anything, to the end of
+// the receive queue.
+func (c *Conn) sealOpenLocked() {
+	if c.open == nil {
+		return
+	}
+	if c.openLen == 0 {
+		bufferPool.Put(c.open)
+	} else {
+		*c.open = (*c.open)[:c.openLen]
+		c.rq.push(mem.NewBuffer(c.open, bufferPool))
+	}
+	c.open, c.openLen = nil, 0
+}
+
+// hasBufferedLocked reports whether received bytes wait for the reader.
+func (c *Conn) hasBufferedLocked() bool {
+	return c.rq.len() > 0 || c.openLen > 0
+}
+
+// nextBufferLocked reports whether the receive queue has a buffer at its
+// head, sealing the open chunk when it is all that is left.
+func (c *Conn) nextBufferLocked() bool {
+	if c.rq.len() == 0 {
+		c.sealOpenLocked()
+	}
+	return c.rq.len() > 0
+}

@@ -1,0 +1,208 @@
+package tunnelcore
+
+import (
+	"bytes"
+	"io"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/mem"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// TestTinyFramesToAStalledReaderHoldWhatTheyCarry: a peer fills a
+// connection's window with one-byte DATA frames while the reader reads
+// nothing. The bytes are gathered into a few chunks instead of one queue
+// entry (and one transport buffer) per byte, and the reader then gets them
+// in order, with a bulk frame in the middle kept in its place.
+func TestTinyFramesToAStalledReaderHoldWhatTheyCarry(t *testing.T) {
+	a, b := Pipe(64)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+
+	const tiny = InitialWindow / 2
+	bulk := bytes.Repeat([]byte{0xbb}, smallPayload)
+	var want []byte
+	for i := 0; i < tiny; i++ {
+		if i == tiny/2 {
+			sendPayload(t, b, c.ID(), bulk)
+			want = append(want, bulk...)
+		}
+		p := []byte{byte(i)}
+		sendPayload(t, b, c.ID(), p)
+		want = append(want, p...)
+	}
+	eventually(t, 5*time.Second, "every frame buffered", func() bool { return c.Buffered() == len(want) })
+
+	c.mu.Lock()
+	entries := c.rq.len()
+	c.mu.Unlock()
+	// tiny bytes in 16 KiB chunks, the bulk frame and the chunk sealed in
+	// front of it.
+	if limit := tiny/openChunkSize + 3; entries > limit {
+		t.Fatalf("%d bytes in %d tiny frames are %d queue entries, want at most %d", len(want), tiny, entries, limit)
+	}
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the reader got the bytes out of order or altered")
+	}
+	if err := node.Err(); err != nil {
+		t.Fatalf("session failed: %v", err)
+	}
+}
+
+// TestSmallPayloadDoesNotPinItsTransportBuffer: a one-byte payload sliced
+// out of a 16 KiB transport buffer, as gRPC hands over a small message read
+// with others, releases that buffer once received; a bulk payload is kept
+// by reference until it is read.
+func TestSmallPayloadDoesNotPinItsTransportBuffer(t *testing.T) {
+	node, _ := sessionPair(t, transports[0], Config{}, Config{})
+	c, _ := node.Open(ConnectInfo{})
+
+	pool := &countingPool{}
+	frame := pool.buffer(16 << 10)
+	small := frame.Slice(100, 101)
+	frame.Free() // the transport's own reference, as gRPC drops it
+	c.onData(mem.BufferSlice{small})
+	if n := pool.put.Load(); n != 1 {
+		t.Fatalf("the 16 KiB buffer behind a buffered 1-byte payload went back to its pool %d times, want 1", n)
+	}
+
+	big := pool.buffer(32 << 10)
+	c.onData(mem.BufferSlice{big})
+	if n := pool.put.Load(); n != 1 {
+		t.Fatalf("a buffered bulk payload was released (%d puts) before it was read", n)
+	}
+	got := make([]byte, 1+32<<10)
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatal(err)
+	}
+	if n := pool.put.Load(); n != 2 {
+		t.Fatalf("after reading, %d buffers went back to the pool, want 2", n)
+	}
+}
+
+func sendPayload(t *testing.T, fs FrameStream, id uint64, p []byte) {
+	t.Helper()
+	if err := fs.Send(&tunnelpb.Envelope{ConnID: id, Payload: mem.BufferSlice{mem.SliceBuffer(p)}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// countingPool is a mem.BufferPool that counts the buffers given back.
+type countingPool struct{ put atomic.Int64 }
+
+func (p *countingPool) buffer(n int) mem.Buffer {
+	b := make([]byte, n)
+	return mem.NewBuffer(&b, p)
+}
+
+func (p *countingPool) Get(n int) *[]byte {
+	b := make([]byte, n)
+	return &b
+}
+
+func (p *countingPool) Put(*[]byte) { p.put.Add(1) }
+
+// TestTrickledWritesQueueBoundedFrames: a writer sending a byte at a time,
+// by Write or through ReadFrom from a source that yields a byte per read,
+// while the peer reads nothing: each one-byte frame counts as the buffer it
+// holds against SendQueue, so the connection queues a few dozen frames, not
+// a frame per byte of credit, and each holds a small buffer, not the 256 KiB
+// one ReadFrom read into. Once the peer reads, every byte arrives in order.
+func TestTrickledWritesQueueBoundedFrames(t *testing.T) {
+	for _, viaReadFrom := range []bool{false, true} {
+		name := map[bool]string{false: "Write", true: "ReadFrom"}[viaReadFrom]
+		t.Run(name, func(t *testing.T) {
+			a, b := Pipe(1)
+			t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+			node, err := NewSession(a, Config{Role: RoleNode})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer node.Close()
+			c, _ := node.Open(ConnectInfo{})
+
+			const total = 4096 // well within the initial credit
+			src := &byteAtATime{left: total}
+			done := make(chan error, 1)
+			go func() {
+				if viaReadFrom {
+					_, err := c.ReadFrom(src)
+					done <- err
+					return
+				}
+				var err error
+				for err == nil && src.left > 0 {
+					var p [1]byte
+					src.Read(p[:])
+					_, err = c.Write(p[:])
+				}
+				done <- err
+			}()
+
+			limit := node.cfg.SendQueue/minFrameCharge + 1
+			eventually(t, 5*time.Second, "the writer blocked on a full queue", func() bool {
+				return c.queued.Load() >= int64(node.cfg.SendQueue)
+			})
+			node.sender.mu.Lock()
+			frames := c.sq.len()
+			var held int
+			for _, env := range c.sq.items[c.sq.head:] {
+				for _, buf := range env.Payload {
+					held += cap(buf.ReadOnlyData())
+				}
+			}
+			node.sender.mu.Unlock()
+			if frames > limit {
+				t.Fatalf("%d one-byte frames queued, want at most %d", frames, limit)
+			}
+			if held > 2*node.cfg.SendQueue {
+				t.Fatalf("the queued frames hold %d bytes of buffers, SendQueue is %d", held, node.cfg.SendQueue)
+			}
+
+			var got []byte
+			for len(got) < total {
+				env := &tunnelpb.Envelope{}
+				if err := b.Recv(env); err != nil {
+					t.Fatal(err)
+				}
+				if env.IsData() {
+					got = append(got, env.Payload.Materialize()...)
+					env.Payload.Free()
+				}
+			}
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			for i, v := range got {
+				if v != byte(i) {
+					t.Fatalf("byte %d is %d, want %d", i, v, byte(i))
+				}
+			}
+		})
+	}
+}
+
+// byteAtATime yields the bytes 0, 1, 2, ... one per Read, then io.EOF.
+type byteAtATime struct{ next, left int }
+
+func (r *byteAtATime) Read(p []byte) (int, error) {
+	if r.left == 0 {
+		return 0, io.EOF
+	}
+	p[0] = byte(r.next)
+	r.next++
+	r.left--
+	return 1, nil
+}
