@@ -642,7 +642,9 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	c.wake()
 	c.s.purge(c)
 	if code != tunnelpb.Error_UNSPECIFIED {
-		c.s.sendControl(errorFrame(c.id, code, message))
+		// Paced: a peer could open connections that fail at once, one
+		// after the other, each leaving an Error behind.
+		c.s.sendPacedControl(errorFrame(c.id, code, message))
 	}
 	c.s.finish(c)
 }

@@ -6,7 +6,9 @@
 // buffer, the sender that schedules control frames before connection frames
 // and connections round-robin (its control queue is bounded: a peer whose
 // frames make it queue answers faster than it reads them is read no further
-// until they drain, see controlQueueBound), the stall watchdog (with the gRPC credentials
+// until they drain, see controlQueueBound; small DATA frames are charged the
+// memory they hold, see smallPayload and minFrameCharge), the stall watchdog
+// (with the gRPC credentials
 // wrapper that lets it read the socket's progress), and the relay that copies
 // between a Conn and a real connection.
 //

@@ -298,6 +298,50 @@ func TestRefusalFloodIsPacedByThePeersReading(t *testing.T) {
 	}
 }
 
+// TestOwnGrantsPastTheBoundStillReadThePeer: control frames of this end's
+// own connections (here grants, as thousands of busy connections queue
+// while the peer's gRPC window is full) do not stop the receive loop, as
+// answers to the peer do: two busy ends would otherwise each stop reading
+// the other and never drain.
+func TestOwnGrantsPastTheBoundStillReadThePeer(t *testing.T) {
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+	const grants = controlQueueBound + 100
+	for i := 0; i < grants; i++ {
+		c.grant(1)
+	}
+	if n := node.controlQueued(); n < controlQueueBound {
+		t.Fatalf("only %d control frames queued", n)
+	}
+
+	// The receive loop was already waiting in Recv for the first frame;
+	// the second is the one a full queue would hold back.
+	peer := rawPeer{t, b}
+	peer.data(c.ID(), 100)
+	peer.data(c.ID(), 100)
+	eventually(t, 5*time.Second, "the peer's DATA read", func() bool { return c.Buffered() == 200 })
+
+	var got int
+	for got < grants {
+		env := &tunnelpb.Envelope{}
+		if err := b.Recv(env); err != nil {
+			t.Fatal(err)
+		}
+		if env.Frame.GetWindowUpdate().GetIncrement() == 1 {
+			got++
+		}
+	}
+	if err := node.Err(); err != nil {
+		t.Fatalf("session failed: %v", err)
+	}
+}
+
 // controlQueued is how many control frames wait in s's sender.
 func (s *Session) controlQueued() int {
 	s.sender.mu.Lock()

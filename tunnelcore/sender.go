@@ -27,11 +27,13 @@ type sender struct {
 
 	mu     sync.Mutex
 	ctrl   fifo[ctrlItem]
+	paced  int // entries of ctrl that count against controlQueueBound
 	ready  fifo[*Conn]
 	closed bool
 
-	// full is set while the control queue is over its bound, until it is
-	// down to half (read by the receive loop without the lock, per frame);
+	// full is set while the paced control frames are over their bound,
+	// until they are down to half (read by the receive loop without the
+	// lock, per frame);
 	// room wakes the receive loop waiting for that (roomWanted set).
 	full       atomic.Bool
 	room       chan struct{}
@@ -41,22 +43,33 @@ type sender struct {
 // ctrlItem is a control frame, or (answer set) the reclaim answers a
 // connection owes: they are built when sent, so a peer that floods reclaim
 // requests holds one queue entry per connection, however many it sent.
+// paced marks a frame that counts against controlQueueBound.
 type ctrlItem struct {
 	env    *tunnelpb.Envelope
 	answer *Conn
+	paced  bool
 }
 
 // controlQueueBound paces a peer by its own reading: a peer can make each
-// of its frames cost a control frame (a refused Connect, an aborted
-// connection's Error), so one that sends faster than it reads the answers
-// would grow the control queue without end. While more than this many
-// control frames wait, the receive loop takes no further frame from the
-// peer, until the queue is down to half: the peer's sends then wait on
-// gRPC's flow control, as its data would. Failing the session instead
-// would cut every connection of an agent for a burst of refusals on a
-// slow uplink. A peer that stops reading altogether is cut by the stall
-// watchdog. Frames queued by our own side (a grant or a blocked notice per
-// connection) may pass the bound; they do not grow without end.
+// of its frames cost a control frame that no connection bounds (a refused
+// Connect's Error, the answer to a session frame), so one that sends faster
+// than it reads the answers would grow the control queue without end. While
+// more than this many such frames wait, the receive loop takes no further
+// frame from the peer, until they are down to half: the peer's sends then
+// wait on gRPC's flow control, as its data would. Failing the session
+// instead would cut every connection of an agent for a burst of refusals on
+// a slow uplink. A peer that stops reading altogether is cut by the stall
+// watchdog.
+//
+// Frames that belong to a live connection (grants, blocked notices,
+// reclaim requests and answers) do not count: each connection queues a
+// few at a time (its grants follow what its reader
+// took of bytes the peer could only send within the window, its blocked
+// notices follow its queue, which minFrameCharge bounds in frames, and its
+// reclaim answers share one entry), so they are bounded by the
+// connections. Counting them would let two busy ends deadlock: each with
+// thousands of connections' grants queued, each stops reading the other,
+// and neither's sends drain.
 const controlQueueBound = 4096
 
 func (q *sender) init(s *Session) {
@@ -65,15 +78,28 @@ func (q *sender) init(s *Session) {
 	q.room = make(chan struct{}, 1)
 }
 
-func (s *Session) sendControl(f *tunnelpb.Frame) {
+// sendControl queues a control frame of one of the session's connections
+// (see controlQueueBound).
+func (s *Session) sendControl(f *tunnelpb.Frame) { s.pushControl(f, false) }
+
+// sendPacedControl queues a control frame no connection bounds: an answer
+// to a frame the peer sent (a refusal), or a session frame.
+func (s *Session) sendPacedControl(f *tunnelpb.Frame) { s.pushControl(f, true) }
+
+func (s *Session) pushControl(f *tunnelpb.Frame, paced bool) {
 	q := &s.sender
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
 		return
 	}
-	q.ctrl.push(ctrlItem{env: &tunnelpb.Envelope{Frame: f}})
-	q.markFullLocked()
+	q.ctrl.push(ctrlItem{env: &tunnelpb.Envelope{Frame: f}, paced: paced})
+	if paced {
+		q.paced++
+		if q.paced > controlQueueBound {
+			q.full.Store(true)
+		}
+	}
 	q.mu.Unlock()
 	notify(q.wake)
 }
@@ -100,16 +126,18 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 	}
 	c.answerQueued = true
 	q.ctrl.push(ctrlItem{answer: c})
-	q.markFullLocked()
 	q.mu.Unlock()
 	notify(q.wake)
 }
 
 // popControlLocked takes the next control frame; the receive loop waiting
-// for room is woken once the queue is down to half its bound.
+// for room is woken once the paced frames are down to half their bound.
 func (q *sender) popControlLocked() *tunnelpb.Envelope {
 	it := q.ctrl.pop()
-	if q.full.Load() && q.ctrl.len() <= controlQueueBound/2 {
+	if it.paced {
+		q.paced--
+	}
+	if q.full.Load() && q.paced <= controlQueueBound/2 {
 		q.full.Store(false)
 		if q.roomWanted {
 			q.roomWanted = false
@@ -132,19 +160,12 @@ func (q *sender) reclaimAnswerLocked(it ctrlItem) *tunnelpb.Envelope {
 	c.answersOwed--
 	if c.answersOwed > 0 {
 		q.ctrl.push(it)
-		q.markFullLocked()
 	} else {
 		c.answerQueued = false
 	}
 	return &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(r)},
 	}}}
-}
-
-func (q *sender) markFullLocked() {
-	if q.ctrl.len() > controlQueueBound {
-		q.full.Store(true)
-	}
 }
 
 // waitControlRoom returns once the control queue is within its bound, or
@@ -349,6 +370,7 @@ func (q *sender) shutdown() {
 	q.mu.Lock()
 	q.closed = true
 	q.ctrl.drain()
+	q.paced = 0
 	var frames []*tunnelpb.Envelope
 	var owners []*Conn
 	for q.ready.len() > 0 {

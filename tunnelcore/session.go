@@ -125,7 +125,7 @@ func (s *Session) SendControl(f *tunnelpb.Frame) error {
 	if s.isDone() {
 		return s.Err()
 	}
-	s.sendControl(f)
+	s.sendPacedControl(f)
 	return nil
 }
 
@@ -432,7 +432,7 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 	}
 	if !s.cfg.Slots.TryAcquire() {
 		s.mu.Unlock()
-		s.sendControl(errorFrame(id, tunnelpb.Error_RESOURCE_EXHAUSTED, "connection limit reached"))
+		s.sendPacedControl(errorFrame(id, tunnelpb.Error_RESOURCE_EXHAUSTED, "connection limit reached"))
 		return
 	}
 	c.slot = true
@@ -449,7 +449,7 @@ func (s *Session) refuse(id uint64, code tunnelpb.Error_Code, msg string) {
 	if ok, suppressed := s.peerLog.Allow(); ok {
 		s.cfg.Logger.Warn("tunnel connect refused", zapConn(id), zap.String("reason", msg), zap.Int("suppressed", suppressed))
 	}
-	s.sendControl(errorFrame(id, code, msg))
+	s.sendPacedControl(errorFrame(id, code, msg))
 }
 
 func (s *Session) logFlowViolation(id uint64) {
