@@ -84,6 +84,8 @@ type Conn struct {
 	answersOwed    int64 // reclaim requests not answered yet
 	answerReleased int64 // credit given back, not reported in an answer yet
 	answerQueued   bool  // the control queue holds this connection's answers
+	grantOwed      int64 // credit decided for the peer, not sent yet
+	grantQueued    bool  // the control queue holds this connection's grant
 }
 
 func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
@@ -271,9 +273,7 @@ func (c *Conn) grant(inc int64) {
 	if inc <= 0 {
 		return
 	}
-	c.s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
-		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Increment: uint32(inc)},
-	}})
+	c.s.sendGrant(c, inc)
 }
 
 // WriteTo implements io.WriterTo: it writes received buffers to w without

@@ -298,12 +298,12 @@ func TestRefusalFloodIsPacedByThePeersReading(t *testing.T) {
 	}
 }
 
-// TestOwnGrantsPastTheBoundStillReadThePeer: control frames of this end's
-// own connections (here grants, as thousands of busy connections queue
-// while the peer's gRPC window is full) do not stop the receive loop, as
-// answers to the peer do: two busy ends would otherwise each stop reading
-// the other and never drain.
-func TestOwnGrantsPastTheBoundStillReadThePeer(t *testing.T) {
+// TestOwnConnectionFramesPastTheBoundStillReadThePeer: control frames of
+// this end's own connections (here a grant each, as thousands of busy
+// connections queue while the peer's gRPC window is full) do not stop the
+// receive loop, as answers to the peer do: two busy ends would otherwise
+// each stop reading the other and never drain.
+func TestOwnConnectionFramesPastTheBoundStillReadThePeer(t *testing.T) {
 	a, b := Pipe(1)
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
 	node, err := NewSession(a, Config{Role: RoleNode})
@@ -311,10 +311,17 @@ func TestOwnGrantsPastTheBoundStillReadThePeer(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
-	const grants = controlQueueBound + 100
-	for i := 0; i < grants; i++ {
+	const conns = controlQueueBound + 100
+	var first *Conn
+	for i := 0; i < conns; i++ {
+		c, err := node.Open(ConnectInfo{})
+		if err != nil {
+			t.Fatal(err)
+		}
 		c.grant(1)
+		if first == nil {
+			first = c
+		}
 	}
 	if n := node.controlQueued(); n < controlQueueBound {
 		t.Fatalf("only %d control frames queued", n)
@@ -323,12 +330,12 @@ func TestOwnGrantsPastTheBoundStillReadThePeer(t *testing.T) {
 	// The receive loop was already waiting in Recv for the first frame;
 	// the second is the one a full queue would hold back.
 	peer := rawPeer{t, b}
-	peer.data(c.ID(), 100)
-	peer.data(c.ID(), 100)
-	eventually(t, 5*time.Second, "the peer's DATA read", func() bool { return c.Buffered() == 200 })
+	peer.data(first.ID(), 100)
+	peer.data(first.ID(), 100)
+	eventually(t, 5*time.Second, "the peer's DATA read", func() bool { return first.Buffered() == 200 })
 
 	var got int
-	for got < grants {
+	for got < conns {
 		env := &tunnelpb.Envelope{}
 		if err := b.Recv(env); err != nil {
 			t.Fatal(err)
@@ -340,6 +347,54 @@ func TestOwnGrantsPastTheBoundStillReadThePeer(t *testing.T) {
 	if err := node.Err(); err != nil {
 		t.Fatalf("session failed: %v", err)
 	}
+}
+
+// TestGrantsToAPeerThatDoesNotReadShareOneEntry: a peer that never reads
+// our frames can still send within the credit it knows we decide (half a
+// window at a time, read at once by our reader). Those grants do not pace
+// it, so they must not pile up either: however much it pushes, the
+// connection holds one grant entry, which carries all of it when the peer
+// reads.
+func TestGrantsToAPeerThatDoesNotReadShareOneEntry(t *testing.T) {
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+	copied := make(chan error, 1)
+	go func() { _, err := io.Copy(io.Discard, c); copied <- err }()
+
+	const rounds = 200
+	peer := rawPeer{t, b}
+	for i := 1; i <= rounds; i++ {
+		peer.data(c.ID(), InitialWindow/2)
+		eventually(t, 5*time.Second, "the reader took the data", func() bool {
+			r, _ := c.Counts()
+			return r == int64(i)*InitialWindow/2
+		})
+	}
+	// The Connect may be in the pipe or in a blocked Send; the grants are
+	// at most one entry.
+	if n := node.controlQueued(); n > 1 {
+		t.Fatalf("%d control frames queued after %d grants the peer did not read", n, rounds)
+	}
+
+	var granted int64
+	for granted < rounds*InitialWindow/2 {
+		env := &tunnelpb.Envelope{}
+		if err := b.Recv(env); err != nil {
+			t.Fatal(err)
+		}
+		granted += int64(env.Frame.GetWindowUpdate().GetIncrement())
+	}
+	if granted != rounds*InitialWindow/2 {
+		t.Fatalf("granted %d bytes, want %d", granted, rounds*InitialWindow/2)
+	}
+	c.Close()
+	<-copied
 }
 
 // controlQueued is how many control frames wait in s's sender.

@@ -91,13 +91,22 @@ func (p *dirtyPool) Put(bp *[]byte) {
 	}
 }
 
-// fitBuffer returns a pool buffer holding the first n bytes of buf. A read
-// that filled a small part of a large buffer is copied into a buffer of its
-// own size, and the large one goes back to the pool: a connection trickling
-// small reads (an interactive protocol, or a client sending a byte at a
-// time) would otherwise queue a 256 KiB buffer per frame.
+// bufferSize is the capacity of the buffer the pool hands out for n bytes.
+func bufferSize(n int) int {
+	if i := bufferPool.tier(n); i >= 0 {
+		return poolTiers[i]
+	}
+	return n
+}
+
+// fitBuffer returns a pool buffer of n's own tier holding the first n bytes
+// of buf. A read that filled a small part of a large buffer is copied into a
+// buffer of its size, and the large one goes back to the pool: a connection
+// trickling small reads (an interactive protocol, or a client sending a
+// byte at a time) would otherwise queue a 256 KiB buffer per frame, and
+// frameCharge would count it at its length.
 func fitBuffer(buf *[]byte, n int) *[]byte {
-	if n >= len(*buf)/4 {
+	if bufferSize(n) >= cap(*buf) {
 		*buf = (*buf)[:n]
 		return buf
 	}

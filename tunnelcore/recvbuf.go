@@ -13,8 +13,9 @@ import "google.golang.org/grpc/mem"
 // otherwise make each byte of the window hold up to a 16 KiB buffer, or at
 // least a hundred bytes of bookkeeping: a 64 KiB window could pin a GiB.
 // Gathered, small payloads cost what they carry. A payload of at least
-// 16 KiB spans at most two frame buffers beyond its own bytes, so it is kept
-// by reference as bulk transfers (256 KiB frames) are, without a copy.
+// 16 KiB in no more pieces than 16 KiB frames make of it holds at most two
+// frame buffers beyond its own bytes, so it is kept by reference as bulk
+// transfers (256 KiB frames) are, without a copy.
 const smallPayload = 16 << 10
 
 // openChunkSize is the size of the pooled chunk small payloads are gathered
@@ -22,9 +23,12 @@ const smallPayload = 16 << 10
 const openChunkSize = 16 << 10
 
 // bufferLocked appends a received payload of n bytes to the receive queue,
-// taking ownership of it.
+// taking ownership of it. A payload is kept by reference when it is large
+// and in few pieces: the peer picks the HTTP/2 framing, and a bulk payload
+// sent as thousands of one-byte HTTP/2 frames arrives as thousands of
+// buffers.
 func (c *Conn) bufferLocked(payload mem.BufferSlice, n int64) {
-	if n >= smallPayload {
+	if n >= smallPayload && len(payload) <= 2+int(n/smallPayload) {
 		c.sealOpenLocked() // what was gathered came first
 		for _, b := range payload {
 			c.rq.push(b)

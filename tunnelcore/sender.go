@@ -41,12 +41,15 @@ type sender struct {
 }
 
 // ctrlItem is a control frame, or (answer set) the reclaim answers a
-// connection owes: they are built when sent, so a peer that floods reclaim
-// requests holds one queue entry per connection, however many it sent.
-// paced marks a frame that counts against controlQueueBound.
+// connection owes, or (grant set) the credit its reader gave back: those
+// are built when sent, so each connection holds at most one queue entry of
+// each, however many requests the peer sent or however much it pushed
+// through a reader while not reading our frames. paced marks a frame that
+// counts against controlQueueBound.
 type ctrlItem struct {
 	env    *tunnelpb.Envelope
 	answer *Conn
+	grant  *Conn
 	paced  bool
 }
 
@@ -63,11 +66,10 @@ type ctrlItem struct {
 //
 // Frames that belong to a live connection (grants, blocked notices,
 // reclaim requests and answers) do not count: each connection queues a
-// few at a time (its grants follow what its reader
-// took of bytes the peer could only send within the window, its blocked
-// notices follow its queue, which minFrameCharge bounds in frames, and its
-// reclaim answers share one entry), so they are bounded by the
-// connections. Counting them would let two busy ends deadlock: each with
+// few at a time (its grants and its reclaim answers share one entry each,
+// its blocked notices follow its queue, which minFrameCharge bounds in
+// frames, and it asks for one reclaim at a time), so they are bounded by
+// the connections. Counting them would let two busy ends deadlock: each with
 // thousands of connections' grants queued, each stops reading the other,
 // and neither's sends drain.
 const controlQueueBound = 4096
@@ -130,6 +132,28 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 	notify(q.wake)
 }
 
+// sendGrant queues inc bytes of credit for c's peer. Grants not sent yet
+// share one queue entry and leave as one WindowUpdate: the credit was
+// counted as granted when decided, so the peer may already be sending
+// against it, and sending it sooner, summed, changes nothing else.
+func (s *Session) sendGrant(c *Conn, inc int64) {
+	q := &s.sender
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		return
+	}
+	c.grantOwed += inc
+	if c.grantQueued {
+		q.mu.Unlock()
+		return
+	}
+	c.grantQueued = true
+	q.ctrl.push(ctrlItem{grant: c})
+	q.mu.Unlock()
+	notify(q.wake)
+}
+
 // popControlLocked takes the next control frame; the receive loop waiting
 // for room is woken once the paced frames are down to half their bound.
 func (q *sender) popControlLocked() *tunnelpb.Envelope {
@@ -144,10 +168,30 @@ func (q *sender) popControlLocked() *tunnelpb.Envelope {
 			notify(q.room)
 		}
 	}
-	if it.answer != nil {
+	switch {
+	case it.answer != nil:
 		return q.reclaimAnswerLocked(it)
+	case it.grant != nil:
+		return q.grantLocked(it)
 	}
 	return it.env
+}
+
+// grantLocked builds the WindowUpdate of the credit it.grant owes its peer
+// (see sendGrant); an increment is a uint32, so past 4 GiB the rest goes
+// back in the queue.
+func (q *sender) grantLocked(it ctrlItem) *tunnelpb.Envelope {
+	c := it.grant
+	inc := min(c.grantOwed, math.MaxUint32)
+	c.grantOwed -= inc
+	if c.grantOwed > 0 {
+		q.ctrl.push(it)
+	} else {
+		c.grantQueued = false
+	}
+	return &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Increment: uint32(inc)},
+	}}}
 }
 
 // reclaimAnswerLocked builds one of the reclaim answers it.answer owes
@@ -201,12 +245,14 @@ func (s *Session) waitControlRoom() bool {
 const minFrameCharge = 4 << 10
 
 // frameCharge is what a DATA frame of n payload bytes counts against the
-// connection's queue allowance.
+// connection's queue allowance: the size of the pool buffer it is held in
+// (Write and ReadFrom put every frame in the pool tier of its length, see
+// fitBuffer), at least minFrameCharge.
 func frameCharge(n int64) int64 {
 	if n <= 0 {
 		return 0
 	}
-	return max(n, minFrameCharge)
+	return int64(bufferSize(int(n)))
 }
 
 func (s *Session) sendConnFrame(c *Conn, f *tunnelpb.Frame) {

@@ -206,3 +206,78 @@ func (r *byteAtATime) Read(p []byte) (int, error) {
 	r.left--
 	return 1, nil
 }
+
+// TestFragmentedBulkPayloadIsGathered: a payload above smallPayload that
+// arrives in thousands of pieces (the peer sent it as one-byte HTTP/2
+// frames, each a transport buffer of its own) is gathered like small ones,
+// not kept as a queue entry per piece.
+func TestFragmentedBulkPayloadIsGathered(t *testing.T) {
+	node, _ := sessionPair(t, transports[0], Config{}, Config{})
+	c, _ := node.Open(ConnectInfo{})
+	var want []byte
+	for k := 0; k < InitialWindow/smallPayload; k++ {
+		payload := make(mem.BufferSlice, 0, smallPayload)
+		for i := 0; i < smallPayload; i++ {
+			payload = append(payload, mem.SliceBuffer{byte(k + i)})
+			want = append(want, byte(k+i))
+		}
+		c.onData(payload)
+	}
+	c.mu.Lock()
+	entries := c.rq.len()
+	c.mu.Unlock()
+	if limit := InitialWindow/openChunkSize + 1; entries > limit {
+		t.Fatalf("%d bytes in one-byte pieces are %d queue entries, want at most %d", len(want), entries, limit)
+	}
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the reader got the bytes out of order or altered")
+	}
+}
+
+// TestOddCreditFramesAreChargedTheirBuffers: a peer granting 4 KiB + 1 at a
+// time while it reads nothing makes frames one byte past a pool tier, each
+// held in a 16 KiB buffer; they count as that buffer, so what the queue
+// holds stays within SendQueue and one frame's charge.
+func TestOddCreditFramesAreChargedTheirBuffers(t *testing.T) {
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+	written := make(chan error, 1)
+	go func() {
+		_, err := c.Write(make([]byte, 4<<20))
+		written <- err
+	}()
+	credit := func() int64 { c.mu.Lock(); defer c.mu.Unlock(); return c.credit }
+	eventually(t, 5*time.Second, "the initial credit spent", func() bool { return credit() == 0 })
+
+	const odd = minFrameCharge + 1
+	peer := rawPeer{t, b}
+	for i := 0; i < 1000 && c.queued.Load() < int64(node.cfg.SendQueue); i++ {
+		peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Increment: odd}}})
+		eventually(t, 5*time.Second, "the grant spent or the queue full", func() bool {
+			return credit() == 0 || c.queued.Load() >= int64(node.cfg.SendQueue)
+		})
+	}
+	node.sender.mu.Lock()
+	var held int
+	for _, env := range c.sq.items[c.sq.head:] {
+		for _, buf := range env.Payload {
+			held += cap(buf.ReadOnlyData())
+		}
+	}
+	node.sender.mu.Unlock()
+	if limit := node.cfg.SendQueue + int(frameCharge(odd)); held > limit {
+		t.Fatalf("the queued frames hold %d bytes of buffers, want at most %d (SendQueue %d)", held, limit, node.cfg.SendQueue)
+	}
+	c.Close()
+	<-written
+}
