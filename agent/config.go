@@ -74,7 +74,9 @@ type Config struct {
 // Upstream is one local service the agent serves through the tunnel.
 type Upstream struct {
 	// Name is the stable route name. Default: Host, HostPattern,
-	// ":<listen_port>", or "*" for the catch-all upstream.
+	// ":<listen_port>", or "*" for the catch-all upstream. A tcp://
+	// upstream with a name and no host, host pattern or listen port is a
+	// named service: layer4's `sluice NAME` reaches it, HTTP never does.
 	Name string `yaml:"name"`
 	// Host is an exact host name or IP address, without port, lowercased
 	// by Validate, which also removes the brackets around an IPv6 address
@@ -167,10 +169,22 @@ func (u Upstream) Prefixes() []netip.Prefix {
 	return u.prefixes
 }
 
-// IsCatchAll reports whether the upstream takes every host no other upstream
-// matches: no host, no host pattern and no listen port.
+// IsCatchAll reports whether the upstream takes every HTTP host no other
+// upstream matches: no host, no host pattern and no listen port, and an
+// http:// or https:// target. A tcp:// upstream without any of them is a
+// named service, reached by its name only (layer4's `sluice NAME`).
 func (u Upstream) IsCatchAll() bool {
+	return u.hostless() && !u.isTCP()
+}
+
+// hostless reports whether the upstream has no host, host pattern or
+// listen port to be routed by.
+func (u Upstream) hostless() bool {
 	return (u.Host == "" || u.Host == "*") && u.HostPattern == "" && u.ListenPort == 0
+}
+
+func (u Upstream) isTCP() bool {
+	return u.scheme == "tcp" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(u.Target)), "tcp://")
 }
 
 // compilePattern compiles a host pattern as the node does, within the
@@ -442,6 +456,8 @@ func (u *Upstream) routeKey() (key, what string) {
 		return "host:" + u.Host, fmt.Sprintf("host %q", u.Host)
 	case u.HostPattern != "":
 		return "", ""
+	case u.isTCP():
+		return "", "" // a named service: its name is unique already
 	default:
 		return "catch-all", "catch-all"
 	}
@@ -585,6 +601,8 @@ func (u *Upstream) validate(field string) []error {
 			u.Name = u.HostPattern
 		case u.ListenPort != 0:
 			u.Name = ":" + strconv.Itoa(u.ListenPort)
+		case u.isTCP():
+			fail("name", "a tcp:// upstream without host, host_pattern or listen_port is reached by its name only (layer4's `sluice NAME`): set one of them")
 		default:
 			u.Name = "*"
 		}

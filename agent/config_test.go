@@ -307,6 +307,9 @@ func TestValidateErrors(t *testing.T) {
 		{"two catch-alls", func(c *Config) {
 			c.Upstreams = append(c.Upstreams, Upstream{Target: "http://a:1"}, Upstream{Name: "b", Target: "http://b:1"})
 		}, "upstreams[4]: catch-all already served by upstreams[3]"},
+		{"hostless tcp upstream without a name", func(c *Config) {
+			c.Upstreams = append(c.Upstreams, Upstream{Target: "tcp://127.0.0.1:6379"})
+		}, "upstreams[3].name: a tcp:// upstream without host, host_pattern or listen_port is reached by its name only"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -574,5 +577,23 @@ func TestValidateAcceptsWhatTheNodeServes(t *testing.T) {
 	c.Token = "correct horse battery staple"
 	if err := c.Validate(); err != nil {
 		t.Errorf("a token with inner spaces: %v", err)
+	}
+}
+
+// TestNamedTCPServicesAreNotCatchAlls: tcp:// upstreams with a name and no
+// host, pattern or port are services reached by name; several may sit
+// beside the HTTP catch-all.
+func TestNamedTCPServicesAreNotCatchAlls(t *testing.T) {
+	c := validConfig()
+	c.Upstreams = append(c.Upstreams,
+		Upstream{Name: "redis", Target: "tcp://127.0.0.1:6379"},
+		Upstream{Name: "pg", Target: "TCP://127.0.0.1:5432"},
+		Upstream{Host: "*", Target: "http://127.0.0.1:8080"})
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	n := len(c.Upstreams)
+	if c.Upstreams[n-3].IsCatchAll() || c.Upstreams[n-2].IsCatchAll() || !c.Upstreams[n-1].IsCatchAll() {
+		t.Fatal("named tcp:// services taken for the catch-all, or the http:// catch-all not")
 	}
 }

@@ -85,9 +85,16 @@ func allowedFor(routes []*routeEntry, addr string) []*routeEntry {
 }
 
 // httpRoutable reports whether the route may serve HTTP by host: listen-port
-// and passthrough routes never do.
+// and passthrough routes never do, nor does a raw TCP route (tcp:// target)
+// with neither host nor pattern. That one is an agent's named service
+// (Redis, say), reached by layer4's `sluice NAME`; taken as the HTTP
+// catch-all it would be sent the HTTP requests for every host no other
+// route serves. An HTTP catch-all has an http:// or https:// target.
 func (e *routeEntry) httpRoutable() bool {
-	return e.route.GetListenPort() == 0 && !e.route.GetTlsPassthrough()
+	if e.route.GetListenPort() != 0 || e.route.GetTlsPassthrough() {
+		return false
+	}
+	return e.route.GetHost() != "" || e.pattern != nil || !strings.HasPrefix(e.route.GetTarget(), "tcp://")
 }
 
 // sniRoutable reports whether the route takes raw TCP connections by TLS

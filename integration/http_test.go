@@ -208,8 +208,11 @@ func TestHostRoutingAndUnknownHost(t *testing.T) {
 	c := startCaddy(t, siteAll)
 	upA, upB, upW, upC := startUpstream(t, "A"), startUpstream(t, "B"), startUpstream(t, "wild"), startUpstream(t, "catchall")
 	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "a.test", Target: upA})
+	// A raw TCP route with a name and no host is reached by its name
+	// (layer4 `sluice raw`), never as the HTTP catch-all.
 	startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "b.test", Target: upB},
-		agent.Upstream{HostPattern: `[a-z]+\.wild\.test`, Target: upW})
+		agent.Upstream{HostPattern: `[a-z]+\.wild\.test`, Target: upW},
+		agent.Upstream{Name: "raw", Target: "tcp://127.0.0.1:9"})
 	for _, tc := range []struct{ host, want string }{
 		{"a.test", "Hello from A"},
 		{"b.test", "Hello from B"},
