@@ -45,7 +45,9 @@ type Config struct {
 	// travels as a gRPC metadata value ("Bearer <token>").
 	Token string `yaml:"token"`
 	// TokenFile is read by Validate, trimmed of a leading UTF-8 byte order
-	// mark and of surrounding white space. Mutually exclusive with Token.
+	// mark and of surrounding white space, and read again by the agent
+	// before each connection attempt, so a rotated token needs no restart.
+	// Mutually exclusive with Token.
 	TokenFile string `yaml:"token_file"`
 	// ID is the agent id, printable ASCII without spaces (it travels as a
 	// gRPC metadata value); Validate defaults it to "agent-" and 12 random
@@ -128,6 +130,23 @@ type Upstream struct {
 	hostport string         // parsed Target: host:port
 	pattern  *regexp.Regexp // compiled ^(?:HostPattern)$
 	prefixes []netip.Prefix // parsed AllowedCIDRs
+}
+
+// readTokenFile reads and checks the token in path. The token itself is
+// never quoted in the error: it is a secret.
+func readTokenFile(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	tok := ident.TrimToken(string(data))
+	if tok == "" {
+		return "", fmt.Errorf("%s is empty", path)
+	}
+	if err := ident.CheckToken(tok); err != nil {
+		return "", fmt.Errorf("%s: the token %w", path, err)
+	}
+	return tok, nil
 }
 
 // ServerAddr returns the parsed Server (valid after Validate): whether to use
@@ -368,19 +387,9 @@ func (c *Config) Validate() error {
 	case c.TokenFile != "" && c.Token != "" && (c.tokenFrom != c.TokenFile || c.tokenRead != c.Token):
 		fail("token", "token and token_file are mutually exclusive")
 	case c.TokenFile != "":
-		data, err := os.ReadFile(c.TokenFile)
+		tok, err := readTokenFile(c.TokenFile)
 		if err != nil {
 			fail("token_file", "%v", err)
-			break
-		}
-		tok := ident.TrimToken(string(data))
-		if tok == "" {
-			fail("token_file", "%s is empty", c.TokenFile)
-			break
-		}
-		// The token itself is not quoted: it is a secret.
-		if err := ident.CheckToken(tok); err != nil {
-			fail("token_file", "%s: the token %v", c.TokenFile, err)
 			break
 		}
 		c.Token, c.tokenFrom, c.tokenRead = tok, c.TokenFile, tok

@@ -128,6 +128,8 @@ type Agent struct {
 	mu        sync.Mutex
 	connected chan struct{} // closed while connected; replaced on disconnect
 	nodeID    string
+	lastToken string // the token last read from TokenFile (or Token)
+	tokenErr  string // the last token_file error logged, to log each once
 }
 
 // New prepares an agent for cfg, which it validates (Validate fills in
@@ -151,6 +153,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		ackTimeout:     ackTimeout,
 		drainMargin:    drainMargin,
 		connected:      make(chan struct{}),
+		lastToken:      cfg.Token,
 		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).Budget),
 	}
 	for _, o := range opts {
@@ -471,6 +474,33 @@ func (a *Agent) advertise() *tunnelpb.Frame {
 	}}}
 }
 
+// token returns the bearer token for a new session. A token_file is read
+// again for each attempt, so an operator rotating the node's token writes
+// the new one to the agents' files and restarts nothing. A file that cannot
+// be read (being rewritten, say) keeps the token read before; each new
+// problem is logged once.
+func (a *Agent) token() string {
+	if a.cfg.TokenFile == "" {
+		return a.cfg.Token
+	}
+	tok, err := readTokenFile(a.cfg.TokenFile)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err != nil {
+		if msg := err.Error(); msg != a.tokenErr {
+			a.tokenErr = msg
+			a.log.Warn("cannot read token_file; using the token read before", zap.Error(err))
+		}
+		return a.lastToken
+	}
+	a.tokenErr = ""
+	if tok != a.lastToken {
+		a.log.Info("token_file holds a new token; using it", zap.String("token_file", a.cfg.TokenFile))
+		a.lastToken = tok
+	}
+	return tok
+}
+
 // session runs one session: dial, Advertise, wait for the Ack, serve until
 // the session ends or ctx is cancelled.
 func (a *Agent) session(ctx context.Context) (res sessionResult) {
@@ -484,7 +514,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	sctx = metadata.AppendToOutgoingContext(sctx,
-		"authorization", "Bearer "+a.cfg.Token,
+		"authorization", "Bearer "+a.token(),
 		"x-sluice-id", a.cfg.ID)
 	st, err := tunnelpb.NewTunnelClient(cc).Connect(sctx)
 	if err != nil {

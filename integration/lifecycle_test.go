@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -73,6 +74,33 @@ func TestWrongTokenIsRejectedAndRetried(t *testing.T) {
 	}
 	if code, _ := get(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
 		t.Fatalf("status %d, want 503", code)
+	}
+}
+
+// TestAgentRereadsItsTokenFile: an agent whose token_file held a stale
+// token connects once the file holds the node's, without a restart: token
+// rotation is a file write on each agent host and a reload of Caddy.
+func TestAgentRereadsItsTokenFile(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	file := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(file, []byte("the-previous-token-0123456789abcdef\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, logs := launchAgentLogged(t, c.serverURL(), "agent-file", "", func(cfg *agent.Config) { cfg.TokenFile = file }, true,
+		agent.Upstream{Host: "app.test", Target: up})
+	eventually(t, 10*time.Second, "the stale token rejected", func() bool {
+		return logs.FilterMessage("authentication failed; retrying").Len() > 0
+	})
+	if err := os.WriteFile(file, []byte(testToken+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitConnected(t, a)
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("after the token file was updated: %d", code)
+	}
+	if logs.FilterMessage("token_file holds a new token; using it").Len() != 1 {
+		t.Fatal("the agent did not log the new token once")
 	}
 }
 
