@@ -215,6 +215,16 @@ func isWord(s string) bool {
 // word must be a known key, so that a mistyped key ("rewrite_hots=x",
 // "insecure_skip_verfy") is reported instead of joining the pattern. The
 // result is not validated.
+// looksLikeShortForm reports whether the first pair of a spec, whose key is
+// not a key name, is the short form HOST=TARGET: its target has a scheme, or
+// its host looks like one (a dot, a colon or "*"). A mistyped key
+// ("hst=app.example.com") is then reported as such, while the common slip
+// "app.example.com=127.0.0.1:3000" reaches the target's check, which asks
+// for the scheme.
+func looksLikeShortForm(key, val string) bool {
+	return strings.Contains(val, "://") || strings.ContainsAny(key, ".:*")
+}
+
 func ParseUpstream(spec string) (Upstream, error) {
 	var u Upstream
 	fail := func(format string, args ...any) (Upstream, error) {
@@ -236,7 +246,7 @@ func ParseUpstream(spec string) (Upstream, error) {
 		isBool, known := specKeys[key]
 		if !known {
 			switch {
-			case i == 0 && hasVal:
+			case i == 0 && hasVal && looksLikeShortForm(k, val):
 				// short form HOST=TARGET; "*" is the catch-all.
 				host := strings.TrimSpace(k)
 				if host == "" {
@@ -249,6 +259,8 @@ func ParseUpstream(spec string) (Upstream, error) {
 				seen["host"], seen["target"] = true, true
 				prev = "target"
 				continue
+			case i == 0 && hasVal:
+				return fail("unknown key %q (in the short form HOST=TARGET, the target has a scheme: http://, https:// or tcp://)", strings.TrimSpace(k))
 			case hasVal || isWord(key):
 				return fail("unknown key %q", strings.TrimSpace(k))
 			case prev == "host_pattern":

@@ -72,6 +72,8 @@ func TestParseUpstreamErrors(t *testing.T) {
 		{`target=http://a:1,host_pattern=a{1,3},x=y`, `unknown key "x"`},
 		{`target=http://a:1,host_pattern=a{1,3},3}=y`, `unknown key "3}"`},
 		{`target=http://a:1,host=a,tls_pasthrough`, `unknown key "tls_pasthrough"`},
+		// A mistyped first key is not a short-form host.
+		{`hst=app.test,target=http://a:1`, `unknown key "hst" (in the short form HOST=TARGET, the target has a scheme`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.spec, func(t *testing.T) {

@@ -348,6 +348,27 @@ type sessionResult struct {
 	uptime    time.Duration // how long it was connected
 }
 
+// connectHint says what to check for the connection errors a wrong server
+// setting produces, whose gRPC wording names none of it: a port that is
+// Caddy's HTTP site rather than the control plane, grpc:// against TLS and
+// grpcs:// against plaintext, an untrusted certificate, nothing listening.
+func connectHint(msg string, useTLS bool) string {
+	switch {
+	case strings.Contains(msg, "unexpected HTTP status code received from server"),
+		strings.Contains(msg, "malformed header: missing HTTP content-type"):
+		return "the server answered as a web server, not a sluice control plane: check the port (the node's sluice listen address, default :8001)"
+	case !useTLS && (strings.Contains(msg, "error reading server preface") || strings.Contains(msg, "frame too large")):
+		return "if the node serves the control plane over TLS (sluice tls), use grpcs://"
+	case useTLS && strings.Contains(msg, "first record does not look like a TLS handshake"):
+		return "the server does not speak TLS: use grpc://, or give the node's sluice block a tls certificate"
+	case useTLS && strings.Contains(msg, "certificate signed by unknown authority"):
+		return "trust the node's CA with ca_file (or, for a test, insecure: true)"
+	case strings.Contains(msg, "connection refused"):
+		return "nothing listens there: is Caddy running, with its sluice control plane on this address?"
+	}
+	return ""
+}
+
 // logEnd logs the end of a session attempt and the coming retry.
 func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
 	code, msg := statusOf(r.err)
@@ -361,6 +382,9 @@ func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
 	}
 	if r.connected {
 		fields = append(fields, zap.String("connected_for", r.uptime.Round(time.Millisecond).String()))
+	}
+	if hint := connectHint(msg, a.cfg.serverTLS); hint != "" {
+		fields = append(fields, zap.String("hint", hint))
 	}
 	switch {
 	case code == codes.Unauthenticated || code == codes.PermissionDenied:

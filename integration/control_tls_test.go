@@ -139,3 +139,32 @@ func controlPlaneLeaf(t *testing.T, c *caddyServer) []byte {
 	defer conn.Close()
 	return conn.ConnectionState().PeerCertificates[0].Raw
 }
+
+// TestConnectionErrorsSayWhatToCheck: an agent given a wrong server setting
+// logs, beside gRPC's wording, what to check: grpc:// against a TLS control
+// plane, grpcs:// without trusting its certificate, Caddy's HTTP site port
+// instead of the control plane's, and grpcs:// against a plaintext port.
+func TestConnectionErrorsSayWhatToCheck(t *testing.T) {
+	openssl := needCommand(t, "openssl")
+	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile)}, siteAll)
+	site := fmt.Sprintf("127.0.0.1:%d", c.httpPort)
+	for _, tc := range []struct{ name, server, hint string }{
+		{"plaintext to TLS", c.serverURL(), "use grpcs://"},
+		{"untrusted certificate", strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1), "ca_file"},
+		{"the HTTP site's port", "grpc://" + site, "not a sluice control plane"},
+		{"TLS to plaintext", "grpcs://" + site, "does not speak TLS"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, logs := launchAgentLogged(t, tc.server, "misdirected", testToken, nil, true, agent.Upstream{Host: "app.test", Target: "http://127.0.0.1:9"})
+			eventually(t, 10*time.Second, "a failed attempt logged with its hint", func() bool {
+				for _, e := range logs.FilterMessage("connection failed; retrying").All() {
+					if h, _ := e.ContextMap()["hint"].(string); strings.Contains(h, tc.hint) {
+						return true
+					}
+				}
+				return false
+			})
+		})
+	}
+}
