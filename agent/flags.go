@@ -119,6 +119,9 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
 	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
+	// Answered by the sluice-agent command before flags are parsed; listed
+	// here so that -h shows it among the flags.
+	fs.Bool("version", false, "print the version and exit")
 	return fs, v
 }
 

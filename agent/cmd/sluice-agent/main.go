@@ -35,7 +35,6 @@ func run(args []string) int {
 	cfg, err := agent.ParseFlags(args, os.Getenv)
 	if errors.Is(err, flag.ErrHelp) {
 		fmt.Println(err.Error())
-		fmt.Println("\n  -version\n    \tprint the version and exit")
 		return 0
 	}
 	if err != nil {
