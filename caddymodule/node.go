@@ -31,6 +31,16 @@ import (
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
+// idClashWindow: an agent session replaced this soon after it connected was
+// most likely not left behind by its own agent's reconnect (that leaves a
+// session which lived for a while) but is one of two agents running with
+// one id, which take turns serving, each displacing the other, with 503s
+// in between. msgIDClash is what the node then logs, at WARN.
+const (
+	idClashWindow = time.Minute
+	msgIDClash    = "agent session replaced by a newer stream soon after it connected; are two agents running with this id?"
+)
+
 // node is what outlives a config reload: the control-plane listener, the
 // gRPC server on it, the agent sessions and their routes. Apps of successive
 // configs share one node per control address through nodePool, so a reload
@@ -334,8 +344,13 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		// reusing one id could open any number of them).
 		old.sess.CloseWithError(errReplaced)
 		if ok, suppressed := n.sessionLog.Allow(); ok {
-			n.log().Info("agent session replaced by a newer stream", zap.String("agent", a.agentID),
-				zap.String("old_remote", old.remote), zap.String("remote", remote), zap.Int("suppressed_since_last", suppressed))
+			fields := []zap.Field{zap.String("agent", a.agentID), zap.String("old_remote", old.remote),
+				zap.String("remote", remote), zap.Int("suppressed_since_last", suppressed)}
+			if lived := time.Since(old.connected); lived < idClashWindow {
+				n.log().Warn(msgIDClash, append(fields, zap.Duration("replaced_after", lived.Round(time.Millisecond)))...)
+			} else {
+				n.log().Info("agent session replaced by a newer stream", fields...)
+			}
 		}
 	}
 	n.sendAck(a, rejected)

@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -133,13 +134,23 @@ func TestReconnectDisplacesOldSession(t *testing.T) {
 // logs as a likely id clash) and gives back its place in max_sessions, so
 // reusing an id neither stacks sessions nor locks other agents out.
 func TestDisplacedSessionEndsAndFreesItsPlace(t *testing.T) {
-	c := startCaddyWith(t, caddyOptions{Sluice: "max_sessions 2"}, siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: "max_sessions 2", CaptureLog: true}, siteAll)
 	up := startUpstream(t, "app")
 	first, logs := launchAgentObserved(t, c.serverURL(), "same-id", agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, first)
 	second := startAgent(t, c.serverURL(), "same-id", agent.Upstream{Host: "app.test", Target: up})
 	eventually(t, 10*time.Second, "the displaced agent told why", func() bool {
 		return logs.FilterMessageSnippet("replaced by another connection with this agent id").Len() > 0
+	})
+	// The node warns too: a session replaced seconds after it connected is
+	// most likely one of two agents sharing an id.
+	eventually(t, 10*time.Second, "the node's warning", func() bool {
+		for _, line := range c.logLines(t, "agent session replaced by a newer stream soon after it connected; are two agents running with this id?") {
+			if bytes.Contains(line, []byte(`"level":"warn"`)) && bytes.Contains(line, []byte(`"agent":"same-id"`)) {
+				return true
+			}
+		}
+		return false
 	})
 	// Before the fix the displaced session stayed open beside the new one.
 	eventually(t, 5*time.Second, "one session left", func() bool { return c.mustStats(t).Sessions == 1 })
