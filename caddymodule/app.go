@@ -221,6 +221,11 @@ func (a *App) Provision(ctx caddy.Context) error {
 			return nil, fmt.Errorf("sluice: listen: %s is not a stream address", a.Listen)
 		}
 		a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", a.cert != nil))
+		if a.cert == nil && reachableBeyondHost(ln.Addr()) {
+			// Said once per listener, not per reload.
+			a.logger.Warn("the sluice control plane serves plaintext beyond loopback: agents' tokens cross the network in the clear; give the global sluice block a tls certificate (agents dial grpcs://) unless the network is trusted",
+				zap.String("address", ln.Addr().String()))
+		}
 		return newNode(na.String(), ln, a.cert, a.logger), nil
 	})
 	if err != nil {
@@ -414,3 +419,10 @@ var (
 	_ caddy.Validator    = (*App)(nil)
 	_ caddy.CleanerUpper = (*App)(nil)
 )
+
+// reachableBeyondHost reports whether addr is a TCP address other hosts can
+// reach: not a loopback IP (a unix socket is not TCP).
+func reachableBeyondHost(addr net.Addr) bool {
+	ta, ok := addr.(*net.TCPAddr)
+	return ok && !ta.IP.IsLoopback()
+}

@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -17,5 +18,25 @@ func TestTokenFileDropsAByteOrderMark(t *testing.T) {
 	got, err := a.resolveToken()
 	if err != nil || got != "s3cret-token" {
 		t.Fatalf("resolveToken = %q, %v; want \"s3cret-token\"", got, err)
+	}
+}
+
+// TestPlaintextWarningOnlyBeyondLoopback: the plaintext warning is for a
+// control plane that listens beyond loopback (the default :8001 does).
+func TestPlaintextWarningOnlyBeyondLoopback(t *testing.T) {
+	for _, tc := range []struct {
+		addr net.Addr
+		want bool
+	}{
+		{&net.TCPAddr{IP: net.ParseIP("127.0.0.1"), Port: 8001}, false},
+		{&net.TCPAddr{IP: net.ParseIP("::1"), Port: 8001}, false},
+		{&net.TCPAddr{IP: net.IPv6unspecified, Port: 8001}, true},
+		{&net.TCPAddr{IP: net.IPv4zero, Port: 8001}, true},
+		{&net.TCPAddr{IP: net.ParseIP("192.0.2.1"), Port: 8001}, true},
+		{&net.UnixAddr{Name: "/run/sluice.sock", Net: "unix"}, false},
+	} {
+		if got := reachableBeyondHost(tc.addr); got != tc.want {
+			t.Errorf("reachableBeyondHost(%v) = %v, want %v", tc.addr, got, tc.want)
+		}
 	}
 }
