@@ -189,11 +189,19 @@ func (u Upstream) Prefixes() []netip.Prefix {
 }
 
 // IsCatchAll reports whether the upstream takes every HTTP host no other
-// upstream matches: no host, no host pattern and no listen port, and an
-// http:// or https:// target. A tcp:// upstream without any of them is a
-// named service, reached by its name only (layer4's `sluice NAME`).
+// upstream matches: no host, no host pattern and no listen port, and
+// either an http:// or https:// target or the name "*" (host '*'). A
+// tcp:// upstream with a name and none of them is a named service (see
+// IsNamedService).
 func (u Upstream) IsCatchAll() bool {
-	return u.hostless() && !u.isTCP()
+	return u.hostless() && !u.IsNamedService()
+}
+
+// IsNamedService reports whether the upstream is a raw TCP service reached
+// by its name only (layer4's `sluice NAME`), never by HTTP: a tcp://
+// target, no host, host pattern or listen port, and a name other than "*".
+func (u Upstream) IsNamedService() bool {
+	return u.hostless() && u.isTCP() && u.Name != "*"
 }
 
 // hostless reports whether the upstream has no host, host pattern or
@@ -465,8 +473,8 @@ func (u *Upstream) routeKey() (key, what string) {
 		return "host:" + u.Host, fmt.Sprintf("host %q", u.Host)
 	case u.HostPattern != "":
 		return "", ""
-	case u.isTCP():
-		return "", "" // a named service: its name is unique already
+	case u.IsNamedService():
+		return "", "" // its name is unique already
 	default:
 		return "catch-all", "catch-all"
 	}
@@ -479,6 +487,7 @@ func (u *Upstream) validate(field string) []error {
 		errs = append(errs, fmt.Errorf("%s.%s: %s", field, sub, fmt.Sprintf(format, args...)))
 	}
 	u.scheme, u.hostport, u.pattern, u.prefixes = "", "", nil, nil
+	catchAll := strings.TrimSpace(u.Host) == "*" // before Host is normalised to ""
 
 	// target
 	u.Target = strings.TrimSpace(u.Target)
@@ -610,11 +619,15 @@ func (u *Upstream) validate(field string) []error {
 			u.Name = u.HostPattern
 		case u.ListenPort != 0:
 			u.Name = ":" + strconv.Itoa(u.ListenPort)
-		case u.isTCP():
-			fail("name", "a tcp:// upstream without host, host_pattern or listen_port is reached by its name only (layer4's `sluice NAME`): set one of them")
+		case u.isTCP() && !catchAll:
+			fail("name", "a tcp:// upstream without host, host_pattern or listen_port is a service reached by its name (layer4's `sluice NAME`): set a name, or host '*' for the HTTP catch-all")
 		default:
 			u.Name = "*"
 		}
+	} else if catchAll && u.isTCP() && u.Name != "*" {
+		// On the wire a hostless tcp:// route named otherwise is a named
+		// service, which HTTP never reaches.
+		fail("name", "a tcp:// catch-all (host '*') is named \"*\"; remove name %q, or host to make it a named service", u.Name)
 	} else if strings.ContainsFunc(u.Name, func(r rune) bool { return !unicode.IsPrint(r) }) {
 		fail("name", "%q contains control characters", u.Name)
 	}

@@ -311,7 +311,10 @@ func TestValidateErrors(t *testing.T) {
 		}, "upstreams[4]: catch-all already served by upstreams[3]"},
 		{"hostless tcp upstream without a name", func(c *Config) {
 			c.Upstreams = append(c.Upstreams, Upstream{Target: "tcp://127.0.0.1:6379"})
-		}, "upstreams[3].name: a tcp:// upstream without host, host_pattern or listen_port is reached by its name only"},
+		}, "upstreams[3].name: a tcp:// upstream without host, host_pattern or listen_port is a service reached by its name"},
+		{"named tcp catch-all", func(c *Config) {
+			c.Upstreams = append(c.Upstreams, Upstream{Host: "*", Name: "tls", Target: "tcp://127.0.0.1:8443"})
+		}, `upstreams[3].name: a tcp:// catch-all (host '*') is named "*"; remove name "tls"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -586,16 +589,26 @@ func TestValidateAcceptsWhatTheNodeServes(t *testing.T) {
 // host, pattern or port are services reached by name; several may sit
 // beside the HTTP catch-all.
 func TestNamedTCPServicesAreNotCatchAlls(t *testing.T) {
-	c := validConfig()
-	c.Upstreams = append(c.Upstreams,
-		Upstream{Name: "redis", Target: "tcp://127.0.0.1:6379"},
-		Upstream{Name: "pg", Target: "TCP://127.0.0.1:5432"},
-		Upstream{Host: "*", Target: "http://127.0.0.1:8080"})
-	if err := c.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	n := len(c.Upstreams)
-	if c.Upstreams[n-3].IsCatchAll() || c.Upstreams[n-2].IsCatchAll() || !c.Upstreams[n-1].IsCatchAll() {
-		t.Fatal("named tcp:// services taken for the catch-all, or the http:// catch-all not")
+	for _, catchAll := range []Upstream{
+		{Host: "*", Target: "http://127.0.0.1:8080"},
+		// Caddy speaking TLS to the upstream through the agent (the
+		// transport's tls) needs a tcp:// catch-all.
+		{Host: "*", Target: "tcp://127.0.0.1:8443"},
+	} {
+		c := validConfig()
+		c.Upstreams = append(c.Upstreams,
+			Upstream{Name: "redis", Target: "tcp://127.0.0.1:6379"},
+			Upstream{Name: "pg", Target: "TCP://127.0.0.1:5432"},
+			catchAll)
+		if err := c.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Validate(); err != nil { // normalised values validate again
+			t.Fatal(err)
+		}
+		n := len(c.Upstreams)
+		if c.Upstreams[n-3].IsCatchAll() || c.Upstreams[n-2].IsCatchAll() || !c.Upstreams[n-1].IsCatchAll() {
+			t.Fatalf("named tcp:// services taken for the catch-all, or %s not", catchAll.Target)
+		}
 	}
 }

@@ -163,7 +163,7 @@ Upstream spec (-upstream, %s):
         tls_passthrough listen_port proxy_protocol force_http1
         allowed_cidrs (repeatable) verbatim_idle_timeout (e.g. 30s)
   short form: HOST=TARGET[,key=value...], e.g. app.example.com=http://127.0.0.1:3000
-  catch-all:  *=TARGET (an http:// or https:// target)
+  catch-all:  *=TARGET
   named TCP service: name=redis,target=tcp://127.0.0.1:6379, reached only
     by the node's layer4 route "sluice redis", never by HTTP
   https targets are always spoken to over HTTP/1.1 (force_http1 is implied),

@@ -85,16 +85,22 @@ func allowedFor(routes []*routeEntry, addr string) []*routeEntry {
 }
 
 // httpRoutable reports whether the route may serve HTTP by host: listen-port
-// and passthrough routes never do, nor does a raw TCP route (tcp:// target)
-// with neither host nor pattern. That one is an agent's named service
-// (Redis, say), reached by layer4's `sluice NAME`; taken as the HTTP
-// catch-all it would be sent the HTTP requests for every host no other
-// route serves. An HTTP catch-all has an http:// or https:// target.
+// and passthrough routes never do, nor does a named service (see
+// namedService).
 func (e *routeEntry) httpRoutable() bool {
-	if e.route.GetListenPort() != 0 || e.route.GetTlsPassthrough() {
-		return false
-	}
-	return e.route.GetHost() != "" || e.pattern != nil || !strings.HasPrefix(e.route.GetTarget(), "tcp://")
+	return e.route.GetListenPort() == 0 && !e.route.GetTlsPassthrough() && !e.namedService()
+}
+
+// namedService reports whether the route is an agent's named raw TCP
+// service (Redis, say): a tcp:// target, no host, pattern or port, and a
+// name other than the catch-all's "*". Layer4's `sluice NAME` reaches it;
+// taken as the HTTP catch-all it would be sent the HTTP requests for every
+// host no other route serves. A tcp:// catch-all named "*" (an agent's
+// host '*') stays one: Caddy may speak HTTP over TLS through it (the
+// transport's tls).
+func (e *routeEntry) namedService() bool {
+	return e.route.GetHost() == "" && e.pattern == nil && e.route.GetListenPort() == 0 &&
+		strings.HasPrefix(e.route.GetTarget(), "tcp://") && routeName(e.route) != "*"
 }
 
 // sniRoutable reports whether the route takes raw TCP connections by TLS

@@ -374,8 +374,8 @@ type Route struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Exact host name (lower case, no port) this route serves. Empty together
 	// with an empty host_pattern and no listen_port: the catch-all route,
-	// which serves HTTP only with an http:// or https:// target; with a
-	// tcp:// target it is a named service, reached by its name alone.
+	// unless the target is tcp:// and the name is not "*": that is a named
+	// service, reached by its name alone, never by HTTP.
 	Host string `protobuf:"bytes,1,opt,name=host,proto3" json:"host,omitempty"`
 	// A regular expression (RE2) that must match the whole host name.
 	HostPattern string `protobuf:"bytes,2,opt,name=host_pattern,json=hostPattern,proto3" json:"host_pattern,omitempty"`
