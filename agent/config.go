@@ -637,7 +637,7 @@ func (u *Upstream) validate(field string) []error {
 // parseURL parses scheme://host:port with an empty or "/" path; scheme must
 // be one of schemes (described by want).
 func parseURL(s, want string, schemes ...string) (scheme, hostport string, err error) {
-	if !strings.Contains(s, "://") && !strings.Contains(s, "//") {
+	if !strings.Contains(s, "//") {
 		// "127.0.0.1:8001" would otherwise read as scheme "127.0.0.1" or
 		// fail inside url.Parse with a message about path segments.
 		return "", "", fmt.Errorf("%q has no scheme (want %s, as in %s://host:port)", s, want, schemes[0])

@@ -12,6 +12,10 @@ import (
 	"time"
 )
 
+// ErrVersion is returned by ParseFlags for -version: the caller prints the
+// version (BuildString) and exits, whatever else the flags say.
+var ErrVersion = errors.New("version requested")
+
 // ParseFlags builds the agent's configuration from the command line args
 // (without the program name), the environment (getenv; os.Getenv when nil)
 // and the configuration file named by -config or SLUICE_CONFIG, then
@@ -19,8 +23,8 @@ import (
 // three sources are concatenated in that order.
 //
 // ParseFlags prints nothing. For -h or -help it returns an error that
-// matches flag.ErrHelp (errors.Is) and whose text is the usage; a flag error
-// is returned as such.
+// matches flag.ErrHelp (errors.Is) and whose text is the usage; for
+// -version, ErrVersion; a flag error is returned as such.
 func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 	if getenv == nil {
 		getenv = os.Getenv
@@ -31,6 +35,9 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 			return nil, helpError{}
 		}
 		return nil, fmt.Errorf("%w (see -h)", err)
+	}
+	if v.version {
+		return nil, ErrVersion
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q (see -h)", fs.Arg(0))
@@ -97,7 +104,7 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 
 type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
-	insecure                                               bool
+	insecure, version                                      bool
 	maxConns                                               int
 	tunnelBudget                                           int64
 	upstreams                                              stringList
@@ -119,9 +126,9 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
 	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
-	// Answered by the sluice-agent command before flags are parsed; listed
-	// here so that -h shows it among the flags.
-	fs.Bool("version", false, "print the version and exit")
+	// Listed here so that -h shows it among the flags; ParseFlags answers
+	// it with ErrVersion.
+	fs.BoolVar(&v.version, "version", false, "print the version and exit")
 	return fs, v
 }
 
@@ -202,22 +209,6 @@ func isWord(s string) bool {
 	return s != ""
 }
 
-// ParseUpstream parses an upstream spec, the syntax of -upstream and
-// SLUICE_UPSTREAMS: comma-separated key=value pairs named like the YAML
-// fields (a '-' in a key is read as '_'), boolean keys possibly bare, e.g.
-//
-//	host=app.example.com,target=http://127.0.0.1:3000,rewrite_host=app.local
-//	listen_port=16379,target=tcp://127.0.0.1:6379,proxy_protocol=v2
-//
-// When the first key is not a key name, the first pair is HOST=TARGET:
-// "app.example.com=http://127.0.0.1:3000", and "*=TARGET" is the catch-all.
-// allowed_cidrs may repeat and may list several prefixes separated by
-// spaces. A comma inside a host_pattern value (as in "a{1,3}") is kept when
-// the text after it has no '=' and is not a bare word (letters, digits,
-// '_' and '-', starting with a letter): any other key=value pair or bare
-// word must be a known key, so that a mistyped key ("rewrite_hots=x",
-// "insecure_skip_verfy") is reported instead of joining the pattern. The
-// result is not validated.
 // looksLikeShortForm reports whether the first pair of a spec, whose key is
 // not a key name, is the short form HOST=TARGET: its target has a scheme, or
 // its host looks like one (a dot, a colon or "*"). A mistyped key
@@ -228,6 +219,23 @@ func looksLikeShortForm(key, val string) bool {
 	return strings.Contains(val, "://") || strings.ContainsAny(key, ".:*")
 }
 
+// ParseUpstream parses an upstream spec, the syntax of -upstream and
+// SLUICE_UPSTREAMS: comma-separated key=value pairs named like the YAML
+// fields (a '-' in a key is read as '_'), boolean keys possibly bare, e.g.
+//
+//	host=app.example.com,target=http://127.0.0.1:3000,rewrite_host=app.local
+//	listen_port=16379,target=tcp://127.0.0.1:6379,proxy_protocol=v2
+//
+// When the first key is not a key name and the pair looks like one
+// (looksLikeShortForm), the first pair is HOST=TARGET:
+// "app.example.com=http://127.0.0.1:3000", and "*=TARGET" is the catch-all.
+// allowed_cidrs may repeat and may list several prefixes separated by
+// spaces. A comma inside a host_pattern value (as in "a{1,3}") is kept when
+// the text after it has no '=' and is not a bare word (letters, digits,
+// '_' and '-', starting with a letter): any other key=value pair or bare
+// word must be a known key, so that a mistyped key ("rewrite_hots=x",
+// "insecure_skip_verfy") is reported instead of joining the pattern. The
+// result is not validated.
 func ParseUpstream(spec string) (Upstream, error) {
 	var u Upstream
 	fail := func(format string, args ...any) (Upstream, error) {

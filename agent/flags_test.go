@@ -237,3 +237,16 @@ func TestParseFlagsHelp(t *testing.T) {
 		}
 	}
 }
+
+// TestVersionFlag: -version in any spelling the flag package takes asks for
+// the version, before the rest of the configuration is checked.
+func TestVersionFlag(t *testing.T) {
+	for _, args := range [][]string{{"-version"}, {"--version"}, {"-version=true", "-server", "nonsense"}} {
+		if _, err := ParseFlags(args, func(string) string { return "" }); !errors.Is(err, ErrVersion) {
+			t.Errorf("%q: err = %v, want ErrVersion", args, err)
+		}
+	}
+	if _, err := ParseFlags([]string{"-version=false"}, func(string) string { return "" }); errors.Is(err, ErrVersion) {
+		t.Error("-version=false asked for the version")
+	}
+}

@@ -354,10 +354,12 @@ type sessionResult struct {
 // grpcs:// against plaintext, an untrusted certificate, nothing listening.
 func connectHint(msg string, useTLS bool) string {
 	switch {
+	case strings.Contains(msg, "looked like an HTTP/1.1 header"):
+		return "the server speaks HTTP/1.1, not a sluice control plane: check the port (the node's sluice listen address, default :8001)"
 	case strings.Contains(msg, "unexpected HTTP status code received from server"),
 		strings.Contains(msg, "malformed header: missing HTTP content-type"):
-		return "the server answered as a web server, not a sluice control plane: check the port (the node's sluice listen address, default :8001)"
-	case !useTLS && (strings.Contains(msg, "error reading server preface") || strings.Contains(msg, "frame too large")):
+		return "the server answered with an HTTP page, not as a sluice control plane: check the port is the node's sluice listen address (default :8001) and, behind a proxy, that it forwards gRPC there"
+	case !useTLS && (strings.Contains(msg, "error reading server preface: EOF") || strings.Contains(msg, "frame too large")):
 		return "if the node serves the control plane over TLS (sluice tls), use grpcs://"
 	case useTLS && strings.Contains(msg, "first record does not look like a TLS handshake"):
 		return "the server does not speak TLS: use grpc://, or give the node's sluice block a tls certificate"

@@ -568,3 +568,27 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		t.Fatal("Run accepted a bad CA file")
 	}
 }
+
+// TestConnectHintFitsTheError: each hint answers the error text that a
+// wrong setting produces, and errors with other causes get none.
+func TestConnectHintFitsTheError(t *testing.T) {
+	for _, tc := range []struct {
+		msg    string
+		useTLS bool
+		want   string // substring; "" for no hint
+	}{
+		{`connection error: desc = "error reading server preface: http2: frame too large, note that the frame header looked like an HTTP/1.1 header"`, false, "speaks HTTP/1.1"},
+		{`unexpected HTTP status code received from server: 503 (Service Unavailable)`, false, "not as a sluice control plane"},
+		{`connection error: desc = "error reading server preface: EOF"`, false, "use grpcs://"},
+		{`connection error: desc = "error reading server preface: read tcp 127.0.0.1:1->127.0.0.1:2: read: connection reset by peer"`, false, ""},
+		{`connection error: desc = "transport: authentication handshake failed: tls: first record does not look like a TLS handshake"`, true, "does not speak TLS"},
+		{`connection error: desc = "transport: authentication handshake failed: tls: failed to verify certificate: x509: certificate signed by unknown authority"`, true, "ca_file"},
+		{`connection error: desc = "transport: Error while dialing: dial tcp 127.0.0.1:1: connect: connection refused"`, false, "nothing listens there"},
+		{`rpc error: code = Unavailable desc = node draining`, false, ""},
+	} {
+		got := connectHint(tc.msg, tc.useTLS)
+		if (tc.want == "") != (got == "") || !strings.Contains(got, tc.want) {
+			t.Errorf("connectHint(%q, tls=%v) = %q, want one containing %q", tc.msg, tc.useTLS, got, tc.want)
+		}
+	}
+}

@@ -31,11 +31,12 @@ import (
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
-// idClashWindow: an agent session replaced this soon after it connected was
-// most likely not left behind by its own agent's reconnect (that leaves a
-// session which lived for a while) but is one of two agents running with
-// one id, which take turns serving, each displacing the other, with 503s
-// in between. msgIDClash is what the node then logs, at WARN.
+// idClashWindow: a session that itself replaced one of its id and is
+// replaced in turn this soon after it connected is most likely one of two
+// agents running with one id, which take turns serving, each displacing the
+// other, with 503s in between (an agent's own reconnect, after a restart or
+// a network blip, replaces a session once). msgIDClash is what the node
+// then logs, at WARN.
 const (
 	idClashWindow = time.Minute
 	msgIDClash    = "agent session replaced by a newer stream soon after it connected; are two agents running with this id?"
@@ -339,6 +340,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	a.advertised = adv.GetRoutes()
 	entries, rejected := n.admit(a, a.advertised, nil)
 	if old := n.reg.register(a, entries); old != nil {
+		a.displaced = true
 		// The displaced session ends now: left open, it would hold its
 		// place in max_sessions while serving nothing (and a client
 		// reusing one id could open any number of them).
@@ -346,7 +348,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		if ok, suppressed := n.sessionLog.Allow(); ok {
 			fields := []zap.Field{zap.String("agent", a.agentID), zap.String("old_remote", old.remote),
 				zap.String("remote", remote), zap.Int("suppressed_since_last", suppressed)}
-			if lived := time.Since(old.connected); lived < idClashWindow {
+			if lived := time.Since(old.connected); old.displaced && lived < idClashWindow {
 				n.log().Warn(msgIDClash, append(fields, zap.Duration("replaced_after", lived.Round(time.Millisecond)))...)
 			} else {
 				n.log().Info("agent session replaced by a newer stream", fields...)

@@ -32,6 +32,9 @@ type agentSession struct {
 	remote    string
 	build     string
 	connected time.Time
+	// displaced is set when this session replaced an earlier one of its
+	// id at registration (guarded by node.admitMu).
+	displaced bool
 	routes    []*routeEntry
 	token     string // the token it authenticated with (a reload that changes the token ends it)
 

@@ -33,6 +33,10 @@ func run(args []string) int {
 		}
 	}
 	cfg, err := agent.ParseFlags(args, os.Getenv)
+	if errors.Is(err, agent.ErrVersion) { // -version=true, say
+		fmt.Println(agent.BuildString())
+		return 0
+	}
 	if errors.Is(err, flag.ErrHelp) {
 		fmt.Println(err.Error())
 		return 0
