@@ -731,7 +731,7 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 
 // onWindowUpdate is called with the peer's flow control for c.
 func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
-	var released int64
+	var released, topUp int64
 	c.mu.Lock()
 	if u.GetBlocked() {
 		c.rwin.peerBlocked = true
@@ -751,8 +751,12 @@ func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
 		c.rwin.reclaimed(int64(u.GetReleased()), c.s.cfg.Budget)
 		c.reclaiming = false
 		c.reclaimed = true
+		if c.rerr == nil && !c.readEOF {
+			topUp = c.rwin.topUp()
+		}
 	}
 	c.mu.Unlock()
+	c.grant(topUp)
 	if u.GetIncrement() > 0 {
 		notify(c.writeNotify)
 	}

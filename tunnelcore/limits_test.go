@@ -3,6 +3,7 @@ package tunnelcore
 import (
 	"errors"
 	"io"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -402,4 +403,79 @@ func (s *Session) controlQueued() int {
 	s.sender.mu.Lock()
 	defer s.sender.mu.Unlock()
 	return s.sender.ctrl.len()
+}
+
+// TestReclaimAnswerAfterTheKeptCreditWasSpent: the peer answers a reclaim
+// request only after it sent the credit it kept and the reader took it (a
+// sluice writer can: a Write may spend the kept credit before the answer is
+// queued). The window then shrinks with nothing outstanding, and no byte
+// can come to trigger the next grant, so one is sent with the answer's
+// processing: the writer is not left with no credit for good.
+func TestReclaimAnswerAfterTheKeptCreditWasSpent(t *testing.T) {
+	a, b := Pipe(64)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode, ReclaimAfter: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+
+	// The peer's side: what it was granted, and the reclaim requests.
+	var granted atomic.Int64
+	granted.Store(InitialWindow)
+	reclaims := make(chan uint32, 4)
+	go func() {
+		for {
+			env := &tunnelpb.Envelope{}
+			if b.Recv(env) != nil {
+				return
+			}
+			if u := env.Frame.GetWindowUpdate(); u != nil {
+				granted.Add(int64(u.GetIncrement()))
+				if u.GetReclaimAbove() > 0 {
+					reclaims <- u.GetReclaimAbove()
+				}
+			}
+		}
+	}()
+	peer := rawPeer{t, b}
+	var sent int64
+	send := func(n int) {
+		peer.data(c.ID(), n)
+		sent += int64(n)
+	}
+
+	// Grow the window to 512 KiB: each round the reader waits first, then
+	// the peer says it is blocked and sends half the window.
+	for size := int64(InitialWindow); size < 512<<10; size *= 2 {
+		read := make(chan error, 1)
+		go func() { _, err := io.ReadFull(c, make([]byte, size/2)); read <- err }()
+		eventually(t, 5*time.Second, "the reader waiting", func() bool { c.mu.Lock(); defer c.mu.Unlock(); return c.rwin.readerWaited })
+		want := granted.Load()
+		peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Blocked: true}}})
+		send(int(size / 2))
+		if err := <-read; err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, 5*time.Second, "the grant of the grown window", func() bool { return granted.Load() > want })
+	}
+
+	// The reader idles: the node asks for the credit above 64 KiB back.
+	var above uint32
+	select {
+	case above = <-reclaims:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no reclaim request")
+	}
+	credit := granted.Load() - sent
+	kept := min(credit, int64(above))
+	// The peer spends what it kept, the reader takes it, then the answer.
+	send(int(kept))
+	if _, err := io.ReadFull(c, make([]byte, kept)); err != nil {
+		t.Fatal(err)
+	}
+	before := granted.Load()
+	peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Released: uint32(credit - kept)}}})
+	eventually(t, 5*time.Second, "credit granted after the answer", func() bool { return granted.Load() > before })
 }

@@ -111,3 +111,18 @@ func (w *recvWindow) reclaimed(released int64, budget *Budget) {
 	w.sinceDecision = 0
 	w.idleDecisions = 0
 }
+
+// topUp grants what the window lacks when the peer's credit and the
+// buffered bytes together fell below half of it with no decision to come:
+// an answer to a reclaim request may arrive after the peer spent the credit
+// it kept and the reader took it, and then no byte can arrive to trigger
+// the next grant. It returns the increment to send (0: none).
+func (w *recvWindow) topUp() int64 {
+	out := w.granted - w.consumed
+	if out >= w.size/2 {
+		return 0
+	}
+	inc := w.size - out
+	w.granted += inc
+	return inc
+}
