@@ -86,6 +86,7 @@ type Conn struct {
 	answerQueued   bool  // the control queue holds this connection's answers
 	grantOwed      int64 // credit decided for the peer, not sent yet
 	grantQueued    bool  // the control queue holds this connection's grant
+	ctrlHeld       int   // control queue entries of this connection
 }
 
 func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
@@ -489,9 +490,10 @@ func (c *Conn) reserve(want int) (int, error) {
 		if room := int64(c.s.cfg.SendQueue) - c.queued.Load(); c.credit > 0 && room > 0 {
 			// Never past SendQueue by more than one frame's minimum
 			// charge: the sender only lowers queued, so the room
-			// measured here is there.
+			// measured here is there, and the frame is cut to what its
+			// buffer's charge fits in.
 			n := int64(min(want, c.s.cfg.MaxFrameSize))
-			n = min(n, c.credit, room)
+			n = fitRoom(min(n, c.credit, room), room)
 			c.credit -= n
 			c.queued.Add(frameCharge(n))
 			c.mu.Unlock()
@@ -503,7 +505,7 @@ func (c *Conn) reserve(want int) (int, error) {
 		}
 		c.mu.Unlock()
 		if tellBlocked {
-			c.s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+			c.s.sendConnControl(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 				WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Blocked: true},
 			}})
 		}

@@ -479,3 +479,55 @@ func TestReclaimAnswerAfterTheKeptCreditWasSpent(t *testing.T) {
 	peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Released: uint32(credit - kept)}}})
 	eventually(t, 5*time.Second, "credit granted after the answer", func() bool { return granted.Load() > before })
 }
+
+// TestEndedConnectionHoldsItsSlotUntilItsControlFramesLeft: a connection
+// whose peer aborted it while a grant of it waits in the control queue (the
+// peer reads nothing) keeps its slot until the grant left. Otherwise a peer
+// cycling connections (send half a window, which our reader takes, then
+// abort) would leave a grant behind per cycle, which no bound counts.
+func TestEndedConnectionHoldsItsSlotUntilItsControlFramesLeft(t *testing.T) {
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	slots := NewSlots(1)
+	node, err := NewSession(a, Config{Role: RoleNode, Slots: slots, StallTimeout: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+	// The Connect fills the pipe; a session frame then blocks in Send, so
+	// what is queued next stays queued.
+	if err := node.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{}}}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the sender blocked", func() bool { return node.controlQueued() == 0 && node.sender.sendingSince.Load() != 0 })
+	peer := rawPeer{t, b}
+	peer.data(c.ID(), InitialWindow/2)
+	if _, err := io.ReadFull(c, make([]byte, InitialWindow/2)); err != nil {
+		t.Fatal(err)
+	}
+	if node.controlQueued() != 1 {
+		t.Fatalf("%d control frames queued, want the grant", node.controlQueued())
+	}
+	peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Error{Error: &tunnelpb.Error{ConnId: c.ID(), Code: tunnelpb.Error_CANCELED}}})
+	eventually(t, 5*time.Second, "the abort dispatched", func() bool {
+		_, err := c.Read(make([]byte, 1))
+		return err != nil
+	})
+	c.Close()
+	if _, err := node.Open(ConnectInfo{}); !errors.Is(err, ErrConnLimit) {
+		t.Fatalf("the aborted connection gave its slot back with its grant still queued: open = %v", err)
+	}
+
+	// The peer reads: the grant leaves, and the slot comes back.
+	go func() {
+		for {
+			env := &tunnelpb.Envelope{}
+			if b.Recv(env) != nil {
+				return
+			}
+			env.Payload.Free()
+		}
+	}()
+	eventually(t, 5*time.Second, "the slot released", func() bool { return slots.InUse() == 0 })
+}

@@ -99,6 +99,23 @@ func bufferSize(n int) int {
 	return n
 }
 
+// fitRoom cuts a frame of n bytes so that the buffer holding it (its
+// frameCharge) fits in room bytes of queue allowance: n itself when it
+// does, else the largest pool tier room holds. A frame below the smallest
+// tier is not cut: it is charged minFrameCharge whatever its size.
+func fitRoom(n, room int64) int64 {
+	if frameCharge(n) <= room || n <= minFrameCharge {
+		return n
+	}
+	fit := int64(minFrameCharge)
+	for _, t := range poolTiers {
+		if int64(t) <= room {
+			fit = int64(t)
+		}
+	}
+	return min(n, fit)
+}
+
 // fitBuffer returns a pool buffer of n's own tier holding the first n bytes
 // of buf. A read that filled a small part of a large buffer is copied into a
 // buffer of its size, and the large one goes back to the pool: a connection

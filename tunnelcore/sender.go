@@ -46,11 +46,28 @@ type sender struct {
 // each, however many requests the peer sent or however much it pushed
 // through a reader while not reading our frames. paced marks a frame that
 // counts against controlQueueBound.
+//
+// Entries of a connection (answer, grant, or owner set) keep it in the
+// session's table, holding its slot, until they left: a peer cycling
+// connections while it reads nothing cannot leave entries behind beyond
+// the connections the slots allow.
 type ctrlItem struct {
 	env    *tunnelpb.Envelope
 	answer *Conn
 	grant  *Conn
+	owner  *Conn // the connection env belongs to, for frames of one
 	paced  bool
+}
+
+// conn returns the connection the entry belongs to, if any.
+func (it ctrlItem) conn() *Conn {
+	switch {
+	case it.answer != nil:
+		return it.answer
+	case it.grant != nil:
+		return it.grant
+	}
+	return it.owner
 }
 
 // controlQueueBound paces a peer by its own reading: a peer can make each
@@ -68,8 +85,8 @@ type ctrlItem struct {
 // reclaim requests and answers) do not count: each connection queues a
 // few at a time (its grants and its reclaim answers share one entry each,
 // its blocked notices follow its queue, which minFrameCharge bounds in
-// frames, and it asks for one reclaim at a time), so they are bounded by
-// the connections. Counting them would let two busy ends deadlock: each with
+// frames, and it asks for one reclaim at a time), and an ended connection
+// keeps its slot until they left, so they are bounded by the slots. Counting them would let two busy ends deadlock: each with
 // thousands of connections' grants queued, each stops reading the other,
 // and neither's sends drain.
 const controlQueueBound = 4096
@@ -80,30 +97,44 @@ func (q *sender) init(s *Session) {
 	q.room = make(chan struct{}, 1)
 }
 
-// sendControl queues a control frame of one of the session's connections
-// (see controlQueueBound).
-func (s *Session) sendControl(f *tunnelpb.Frame) { s.pushControl(f, false) }
+// sendConnControl queues a control frame of live connection c (a blocked
+// notice, a reclaim request; see controlQueueBound).
+func (s *Session) sendConnControl(c *Conn, f *tunnelpb.Frame) {
+	s.pushControl(ctrlItem{env: &tunnelpb.Envelope{Frame: f}, owner: c})
+}
 
 // sendPacedControl queues a control frame no connection bounds: an answer
-// to a frame the peer sent (a refusal), or a session frame.
-func (s *Session) sendPacedControl(f *tunnelpb.Frame) { s.pushControl(f, true) }
+// to a frame the peer sent (a refusal), a connection's Error, or a session
+// frame.
+func (s *Session) sendPacedControl(f *tunnelpb.Frame) {
+	s.pushControl(ctrlItem{env: &tunnelpb.Envelope{Frame: f}, paced: true})
+}
 
-func (s *Session) pushControl(f *tunnelpb.Frame, paced bool) {
+func (s *Session) pushControl(it ctrlItem) {
 	q := &s.sender
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
 		return
 	}
-	q.ctrl.push(ctrlItem{env: &tunnelpb.Envelope{Frame: f}, paced: paced})
-	if paced {
+	q.pushLocked(it)
+	q.mu.Unlock()
+	notify(q.wake)
+}
+
+// pushLocked queues a new control entry and counts it: paced entries
+// against controlQueueBound, a connection's entries on the connection.
+func (q *sender) pushLocked(it ctrlItem) {
+	q.ctrl.push(it)
+	if c := it.conn(); c != nil {
+		c.ctrlHeld++
+	}
+	if it.paced {
 		q.paced++
 		if q.paced > controlQueueBound {
 			q.full.Store(true)
 		}
 	}
-	q.mu.Unlock()
-	notify(q.wake)
 }
 
 // sendReclaimAnswer queues the answer to a reclaim request for c, which
@@ -127,7 +158,7 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 		return
 	}
 	c.answerQueued = true
-	q.ctrl.push(ctrlItem{answer: c})
+	q.pushLocked(ctrlItem{answer: c})
 	q.mu.Unlock()
 	notify(q.wake)
 }
@@ -149,14 +180,16 @@ func (s *Session) sendGrant(c *Conn, inc int64) {
 		return
 	}
 	c.grantQueued = true
-	q.ctrl.push(ctrlItem{grant: c})
+	q.pushLocked(ctrlItem{grant: c})
 	q.mu.Unlock()
 	notify(q.wake)
 }
 
 // popControlLocked takes the next control frame; the receive loop waiting
-// for room is woken once the paced frames are down to half their bound.
-func (q *sender) popControlLocked() *tunnelpb.Envelope {
+// for room is woken once the paced frames are down to half their bound. It
+// also returns the connection to remove from the session's table, if this
+// was the last thing holding an ended one there (see finish).
+func (q *sender) popControlLocked() (*tunnelpb.Envelope, *Conn) {
 	it := q.ctrl.pop()
 	if it.paced {
 		q.paced--
@@ -168,48 +201,61 @@ func (q *sender) popControlLocked() *tunnelpb.Envelope {
 			notify(q.room)
 		}
 	}
+	env, again := it.env, false
 	switch {
 	case it.answer != nil:
-		return q.reclaimAnswerLocked(it)
+		env, again = q.reclaimAnswerLocked(it)
 	case it.grant != nil:
-		return q.grantLocked(it)
+		env, again = q.grantLocked(it)
 	}
-	return it.env
+	if again {
+		q.ctrl.push(it) // still counted on its connection
+		return env, nil
+	}
+	if c := it.conn(); c != nil {
+		c.ctrlHeld--
+		if removableLocked(c) {
+			c.removed = true
+			return env, c
+		}
+	}
+	return env, nil
+}
+
+// removableLocked reports whether ended connection c has nothing left in
+// front of the sender, so it may leave the session's table (and give its
+// slot back). Its caller sets c.removed and calls removeConn.
+func removableLocked(c *Conn) bool {
+	return c.finished && !c.removed && c.sq.len() == 0 && c.ctrlHeld == 0
 }
 
 // grantLocked builds the WindowUpdate of the credit it.grant owes its peer
-// (see sendGrant); an increment is a uint32, so past 4 GiB the rest goes
-// back in the queue.
-func (q *sender) grantLocked(it ctrlItem) *tunnelpb.Envelope {
+// (see sendGrant); an increment is a uint32, so past 4 GiB the rest is
+// still owed (again: the entry goes back in the queue).
+func (q *sender) grantLocked(it ctrlItem) (env *tunnelpb.Envelope, again bool) {
 	c := it.grant
 	inc := min(c.grantOwed, math.MaxUint32)
 	c.grantOwed -= inc
-	if c.grantOwed > 0 {
-		q.ctrl.push(it)
-	} else {
-		c.grantQueued = false
-	}
+	again = c.grantOwed > 0
+	c.grantQueued = again
 	return &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Increment: uint32(inc)},
-	}}}
+	}}}, again
 }
 
 // reclaimAnswerLocked builds one of the reclaim answers it.answer owes
 // (see sendReclaimAnswer): the first carries what was released meanwhile,
 // the others 0. While more are owed the entry goes back in the queue.
-func (q *sender) reclaimAnswerLocked(it ctrlItem) *tunnelpb.Envelope {
+func (q *sender) reclaimAnswerLocked(it ctrlItem) (env *tunnelpb.Envelope, again bool) {
 	c := it.answer
 	r := min(c.answerReleased, math.MaxUint32)
 	c.answerReleased -= r
 	c.answersOwed--
-	if c.answersOwed > 0 {
-		q.ctrl.push(it)
-	} else {
-		c.answerQueued = false
-	}
+	again = c.answersOwed > 0
+	c.answerQueued = again
 	return &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Released: uint32(r)},
-	}}}
+	}}}, again
 }
 
 // waitControlRoom returns once the control queue is within its bound, or
@@ -333,7 +379,7 @@ func (s *Session) finish(c *Conn) {
 	q := &s.sender
 	q.mu.Lock()
 	c.finished = true
-	remove := c.sq.len() == 0 && !c.removed
+	remove := removableLocked(c)
 	if remove {
 		c.removed = true
 	}
@@ -353,8 +399,11 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 			return nil, nil
 		}
 		if q.ctrl.len() > 0 {
-			env := q.popControlLocked()
+			env, ended := q.popControlLocked()
 			q.mu.Unlock()
+			if ended != nil {
+				q.s.removeConn(ended)
+			}
 			return env, nil
 		}
 		if q.ready.len() > 0 {
@@ -370,7 +419,7 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 				q.ready.push(c)
 			} else {
 				c.inReady = false
-				if c.finished && !c.removed {
+				if removableLocked(c) {
 					c.removed = true
 					remove = true
 				}

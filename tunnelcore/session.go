@@ -276,7 +276,7 @@ func (s *Session) reclaimIdle(now time.Time) {
 	s.mu.Unlock()
 	for _, c := range conns {
 		if c.shouldReclaim(now, s.cfg.ReclaimAfter) {
-			s.sendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
+			s.sendConnControl(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 				WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, ReclaimAbove: InitialWindow},
 			}})
 		}

@@ -281,3 +281,34 @@ func TestOddCreditFramesAreChargedTheirBuffers(t *testing.T) {
 	c.Close()
 	<-written
 }
+
+// TestQueueChargeStaysWithinSendQueue: with a MaxFrameSize between pool
+// tiers (300 KiB, held in a 1 MiB buffer), frames are cut to what fits the
+// queue allowance instead of one frame holding three times SendQueue.
+func TestQueueChargeStaysWithinSendQueue(t *testing.T) {
+	a, b := Pipe(1)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	node, err := NewSession(a, Config{Role: RoleNode, MaxFrameSize: 300 << 10, StallTimeout: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer node.Close()
+	c, _ := node.Open(ConnectInfo{})
+	rawPeer{t, b}.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Increment: 8 << 20}}})
+	written := make(chan error, 1)
+	go func() {
+		_, err := c.Write(make([]byte, 8<<20))
+		written <- err
+	}()
+	// queued only grows while the sender is stuck, so any reading past
+	// the limit shows the overshoot.
+	limit := int64(node.cfg.SendQueue + minFrameCharge)
+	eventually(t, 5*time.Second, "the queue filled with the sender stuck", func() bool {
+		if q := c.queued.Load(); q > limit {
+			t.Fatalf("queue charged %d bytes, SendQueue %d", q, node.cfg.SendQueue)
+		}
+		return c.queued.Load() > int64(node.cfg.SendQueue)-minFrameCharge && node.sender.sendingSince.Load() != 0
+	})
+	c.Close()
+	<-written
+}
