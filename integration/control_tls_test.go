@@ -152,7 +152,7 @@ func TestConnectionErrorsSayWhatToCheck(t *testing.T) {
 	for _, tc := range []struct{ name, server, hint string }{
 		{"plaintext to TLS", c.serverURL(), "use grpcs://"},
 		{"untrusted certificate", strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1), "ca_file"},
-		{"the HTTP site's port", "grpc://" + site, "not a sluice control plane"},
+		{"the HTTP site's port", "grpc://" + site, "not as a sluice control plane"},
 		{"TLS to plaintext", "grpcs://" + site, "does not speak TLS"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
