@@ -357,14 +357,7 @@ func TestOwnConnectionFramesPastTheBoundStillReadThePeer(t *testing.T) {
 // connection holds one grant entry, which carries all of it when the peer
 // reads.
 func TestGrantsToAPeerThatDoesNotReadShareOneEntry(t *testing.T) {
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	node, c, b := nodeWithRawPeer(t, 1, Config{StallTimeout: -1})
 	copied := make(chan error, 1)
 	go func() { _, err := io.Copy(io.Discard, c); copied <- err }()
 
@@ -412,14 +405,7 @@ func (s *Session) controlQueued() int {
 // can come to trigger the next grant, so one is sent with the answer's
 // processing: the writer is not left with no credit for good.
 func TestReclaimAnswerAfterTheKeptCreditWasSpent(t *testing.T) {
-	a, b := Pipe(64)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode, ReclaimAfter: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	_, c, b := nodeWithRawPeer(t, 64, Config{ReclaimAfter: 20 * time.Millisecond})
 
 	// The peer's side: what it was granted, and the reclaim requests.
 	var granted atomic.Int64
@@ -486,15 +472,8 @@ func TestReclaimAnswerAfterTheKeptCreditWasSpent(t *testing.T) {
 // cycling connections (send half a window, which our reader takes, then
 // abort) would leave a grant behind per cycle, which no bound counts.
 func TestEndedConnectionHoldsItsSlotUntilItsControlFramesLeft(t *testing.T) {
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
 	slots := NewSlots(1)
-	node, err := NewSession(a, Config{Role: RoleNode, Slots: slots, StallTimeout: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	node, c, b := nodeWithRawPeer(t, 1, Config{Slots: slots, StallTimeout: -1})
 	// The Connect fills the pipe; a session frame then blocks in Send, so
 	// what is queued next stays queued.
 	if err := node.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{}}}); err != nil {

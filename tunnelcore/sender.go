@@ -145,22 +145,10 @@ func (q *sender) pushLocked(it ctrlItem) {
 // subtracts each released from what it granted, and c lowered its credit
 // before any of these answers leaves, so reporting a release early is safe.
 func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
-	q := &s.sender
-	q.mu.Lock()
-	if q.closed {
-		q.mu.Unlock()
-		return
-	}
-	c.answersOwed++
-	c.answerReleased += released
-	if c.answerQueued {
-		q.mu.Unlock()
-		return
-	}
-	c.answerQueued = true
-	q.pushLocked(ctrlItem{answer: c})
-	q.mu.Unlock()
-	notify(q.wake)
+	s.owe(ctrlItem{answer: c}, &c.answerQueued, func() {
+		c.answersOwed++
+		c.answerReleased += released
+	})
 }
 
 // sendGrant queues inc bytes of credit for c's peer. Grants not sent yet
@@ -168,20 +156,25 @@ func (s *Session) sendReclaimAnswer(c *Conn, released int64) {
 // counted as granted when decided, so the peer may already be sending
 // against it, and sending it sooner, summed, changes nothing else.
 func (s *Session) sendGrant(c *Conn, inc int64) {
+	s.owe(ctrlItem{grant: c}, &c.grantQueued, func() { c.grantOwed += inc })
+}
+
+// owe records under the sender's lock what a connection owes its peer
+// (record) and queues the entry that pays it (it), unless one already
+// waits (*queued, guarded by the same lock).
+func (s *Session) owe(it ctrlItem, queued *bool, record func()) {
 	q := &s.sender
 	q.mu.Lock()
+	defer q.mu.Unlock()
 	if q.closed {
-		q.mu.Unlock()
 		return
 	}
-	c.grantOwed += inc
-	if c.grantQueued {
-		q.mu.Unlock()
+	record()
+	if *queued {
 		return
 	}
-	c.grantQueued = true
-	q.pushLocked(ctrlItem{grant: c})
-	q.mu.Unlock()
+	*queued = true
+	q.pushLocked(it)
 	notify(q.wake)
 }
 

@@ -18,14 +18,7 @@ import (
 // entry (and one transport buffer) per byte, and the reader then gets them
 // in order, with a bulk frame in the middle kept in its place.
 func TestTinyFramesToAStalledReaderHoldWhatTheyCarry(t *testing.T) {
-	a, b := Pipe(64)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	node, c, b := nodeWithRawPeer(t, 64, Config{})
 
 	const tiny = InitialWindow / 2
 	bulk := bytes.Repeat([]byte{0xbb}, smallPayload)
@@ -124,14 +117,7 @@ func TestTrickledWritesQueueBoundedFrames(t *testing.T) {
 	for _, viaReadFrom := range []bool{false, true} {
 		name := map[bool]string{false: "Write", true: "ReadFrom"}[viaReadFrom]
 		t.Run(name, func(t *testing.T) {
-			a, b := Pipe(1)
-			t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-			node, err := NewSession(a, Config{Role: RoleNode})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer node.Close()
-			c, _ := node.Open(ConnectInfo{})
+			node, c, b := nodeWithRawPeer(t, 1, Config{})
 
 			const total = 4096 // well within the initial credit
 			src := &byteAtATime{left: total}
@@ -243,14 +229,7 @@ func TestFragmentedBulkPayloadIsGathered(t *testing.T) {
 // held in a 16 KiB buffer; they count as that buffer, so what the queue
 // holds stays within SendQueue and one frame's charge.
 func TestOddCreditFramesAreChargedTheirBuffers(t *testing.T) {
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode, StallTimeout: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	node, c, b := nodeWithRawPeer(t, 1, Config{StallTimeout: -1})
 	written := make(chan error, 1)
 	go func() {
 		_, err := c.Write(make([]byte, 4<<20))
@@ -286,14 +265,7 @@ func TestOddCreditFramesAreChargedTheirBuffers(t *testing.T) {
 // tiers (300 KiB, held in a 1 MiB buffer), frames are cut to what fits the
 // queue allowance instead of one frame holding three times SendQueue.
 func TestQueueChargeStaysWithinSendQueue(t *testing.T) {
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode, MaxFrameSize: 300 << 10, StallTimeout: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	node, c, b := nodeWithRawPeer(t, 1, Config{MaxFrameSize: 300 << 10, StallTimeout: -1})
 	rawPeer{t, b}.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Increment: 8 << 20}}})
 	written := make(chan error, 1)
 	go func() {
@@ -311,4 +283,21 @@ func TestQueueChargeStaysWithinSendQueue(t *testing.T) {
 	})
 	c.Close()
 	<-written
+}
+
+// nodeWithRawPeer starts a node session (cfg, its Role set) on a pipe of
+// depth frames per direction whose other end the test drives by hand, and
+// opens one connection on it.
+func nodeWithRawPeer(t *testing.T, depth int, cfg Config) (*Session, *Conn, FrameStream) {
+	t.Helper()
+	a, b := Pipe(depth)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	cfg.Role = RoleNode
+	node, err := NewSession(a, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { node.Close() })
+	c, _ := node.Open(ConnectInfo{})
+	return node, c, b
 }
