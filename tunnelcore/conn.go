@@ -63,11 +63,13 @@ type Conn struct {
 	rerr     error // the reason reads fail once the buffer is empty
 	// send direction
 	credit      int64
-	blockedSent bool  // told the peer we ran out of credit since its last grant
-	wclosed     bool  // CloseWrite or Close queued our FIN
-	werr        error // the reason writes fail
-	closed      bool  // Close was called
-	aborted     bool  // ended by an error this end raised
+	blockedSent bool   // told the peer we ran out of credit since its last grant
+	wclosed     bool   // CloseWrite or Close queued our FIN
+	werr        error  // the reason writes fail
+	closed      bool   // Close was called
+	aborted     bool   // ended by an error this end raised
+	broken      bool   // ended by an abort (either end) or the session's end
+	brokenHook  func() // run once when broken (whenBroken)
 
 	slot        bool         // holds a Slots slot
 	slotState   atomic.Int32 // slotHeld, slotClosing or slotReleased
@@ -640,7 +642,9 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	// dropped, and a clean EOF would pass the loss off as the whole stream.
 	c.readEOF = false
 	c.dropBufferedLocked()
+	hook := c.breakLocked()
 	c.mu.Unlock()
+	runHook(hook)
 	c.wake()
 	c.s.purge(c)
 	if code != tunnelpb.Error_UNSPECIFIED {
@@ -725,7 +729,9 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 		}
 	}
 	c.wclosed = true
+	hook := c.breakLocked()
 	c.mu.Unlock()
+	runHook(hook)
 	c.wake()
 	c.s.purge(c)
 	c.s.finish(c)
@@ -777,8 +783,54 @@ func (c *Conn) onSessionEnd(err error) {
 		c.werr = err
 	}
 	c.rwin.release(c.s.cfg.Budget)
+	hook := c.breakLocked()
 	c.mu.Unlock()
+	runHook(hook)
 	c.wake()
+}
+
+// whenBroken registers f to run once c breaks: it is aborted by either
+// end, or its session ends. A relay uses it to close the real connection
+// on the other side, whose read may otherwise wait forever (an upstream
+// that ignores a half-close). f runs at once if c is broken already; nil
+// unregisters. f runs on a goroutine of its own: closing a TLS connection
+// may block on its close_notify, and the caller may be the receive loop.
+func (c *Conn) whenBroken(f func()) {
+	c.mu.Lock()
+	if c.broken && f != nil {
+		c.mu.Unlock()
+		runHook(f)
+		return
+	}
+	c.brokenHook = f
+	c.mu.Unlock()
+}
+
+// breakLocked marks c broken and returns the hook to run, once.
+func (c *Conn) breakLocked() func() {
+	if c.broken {
+		return nil
+	}
+	c.broken = true
+	f := c.brokenHook
+	c.brokenHook = nil
+	return f
+}
+
+// brokenErr is why c broke: its write error, else its read error.
+func (c *Conn) brokenErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.werr != nil {
+		return c.werr
+	}
+	return c.rerr
+}
+
+func runHook(f func()) {
+	if f != nil {
+		go f()
+	}
 }
 
 // Counts returns the payload bytes read from and written to the

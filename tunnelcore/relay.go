@@ -25,7 +25,10 @@ type RelayResult struct {
 // propagating half-closes: when one side's reader reaches EOF, the other
 // side's writer is closed with CloseWrite (or Close when it cannot
 // half-close) and the opposite direction continues. An error in either
-// direction closes both connections. Both are closed when Relay returns.
+// direction closes both connections, as does a Conn on either side
+// breaking (aborted by either end, or its session ended): the real
+// connection's read would otherwise wait for a peer that may never speak
+// again. Both are closed when Relay returns.
 //
 // Copies go through io.Copy, so a Conn on either side moves its buffers
 // without an extra copy (Conn implements io.ReaderFrom and io.WriterTo).
@@ -61,10 +64,17 @@ func Relay(a, b net.Conn) RelayResult {
 		}
 		abort(nil)
 	}
+	for _, x := range [...]net.Conn{a, b} {
+		if vc, ok := x.(*Conn); ok {
+			vc.whenBroken(func() { abort(vc.brokenErr()) })
+			defer vc.whenBroken(nil)
+		}
+	}
 	wg.Add(2)
 	go pipe(b, a, &res.AToB)
 	go pipe(a, b, &res.BToA)
 	wg.Wait()
+	once.Do(func() {}) // a break hook running late finds the result taken
 	a.Close()
 	b.Close()
 	return res
