@@ -63,6 +63,7 @@ type node struct {
 	limitLog       *logthrottle.Throttle
 	streamLog      *logthrottle.Throttle
 	sessionLog     *logthrottle.Throttle // agent connected, replaced, disconnected
+	acceptLog      *logthrottle.Throttle // accept errors on agents' ports
 	agentErrLog    *logthrottle.Throttle // Error frames agents send
 	portLog        *logthrottle.Throttle
 	draining       atomic.Bool
@@ -123,6 +124,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		limitLog:       logthrottle.New(10*time.Second, 5),
 		streamLog:      logthrottle.New(10*time.Second, 5),
 		sessionLog:     logthrottle.New(10*time.Second, 32),
+		acceptLog:      logthrottle.New(10*time.Second, 1),
 		agentErrLog:    logthrottle.New(10*time.Second, 5),
 		portLog:        logthrottle.New(time.Minute, 5),
 		id:             ln.Addr().String(),

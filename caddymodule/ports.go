@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"go.uber.org/zap"
 )
@@ -144,13 +145,28 @@ func (m *portManager) owner(port uint32) *routeEntry {
 	return nil
 }
 
-// serve relays every connection to the port's current owner.
+// serve relays every connection to the port's current owner, until the
+// listener is closed (release or shutdown). Any other Accept error (out of
+// file descriptors, say) is waited out with a backoff, as net/http's server
+// does: returning would leave the port bound, the kernel completing
+// handshakes nobody accepts, and the route reported as served.
 func (m *portManager) serve(c *portClaim) {
+	var delay time.Duration
 	for {
 		conn, err := c.ln.Accept()
-		if err != nil {
-			return // closed by release or shutdown
+		if errors.Is(err, net.ErrClosed) {
+			return
 		}
+		if err != nil {
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			if ok, suppressed := m.n.acceptLog.Allow(); ok {
+				m.n.log().Error("accepting on agent port route; retrying", zap.Uint32("port", c.port),
+					zap.Error(err), zap.Duration("retry_in", delay), zap.Int("suppressed", suppressed))
+			}
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
 		e := m.owner(c.port)
 		if e == nil {
 			conn.Close()
