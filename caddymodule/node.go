@@ -540,6 +540,14 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*rout
 // options) and answers with a fresh AdvertiseAck. The agent retries what
 // is rejected with its backoff. Callers hold admitMu.
 func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
+	select {
+	case <-a.sess.Done():
+		// An Advertise dispatched as the session ended: its end released
+		// the ports and routes already (under admitMu), and claiming them
+		// again would bind ports to a dead session for good.
+		return
+	default:
+	}
 	a.advertised = routes
 	old := a.currentRoutes(&n.reg.mu)
 	entries, rejected := n.admit(a, routes, old)

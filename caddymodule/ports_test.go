@@ -11,6 +11,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/sluice-tunnel/sluice/internal/logthrottle"
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 // flakyListener fails its first Accept as a process out of file
@@ -63,5 +65,42 @@ func TestPortServingOutlivesAnAcceptError(t *testing.T) {
 	case <-served:
 	case <-time.After(5 * time.Second):
 		t.Fatal("serve did not return once the listener closed")
+	}
+}
+
+// TestLateAdvertiseClaimsNothingForAnEndedSession: an Advertise dispatched
+// as its session ended, and admitted after the end released the session's
+// ports, binds nothing: the port would otherwise stay bound to a dead
+// session, refusing every other agent.
+func TestLateAdvertiseClaimsNothingForAnEndedSession(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	n := newNode("test", ln, nil, zap.NewNop())
+	defer n.drainNow()
+	defer n.ports.closeAll()
+	probe, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := uint32(probe.Addr().(*net.TCPAddr).Port)
+	probe.Close()
+	n.opts.Store(&nodeOptions{portRange: portRange{lo: port, hi: port}, tcpBind: "127.0.0.1"})
+
+	a, b := tunnelcore.Pipe(4)
+	defer b.Close(nil)
+	sess, err := tunnelcore.NewSession(a, tunnelcore.Config{Role: tunnelcore.RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess.Close()
+	agent := &agentSession{agentID: "agent-a", sess: sess}
+	n.admitMu.Lock()
+	n.readmitLocked(agent, []*tunnelpb.Route{{Name: "p", ListenPort: port, Target: "tcp://127.0.0.1:9"}})
+	n.admitMu.Unlock()
+	if e := n.ports.owner(port); e != nil {
+		t.Fatalf("port %d bound for the ended session of %s", port, e.agent.agentID)
 	}
 }
