@@ -96,6 +96,9 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		res := tunnelcore.Relay(client, up)
 		return res.Err
 	}
+	// A write to the client counts as each 16 KiB piece completes, so a
+	// client reading slowly but steadily is not taken for idle.
+	up.SetWriteToBatch(16 << 10)
 	stop := watchIdle(up, idle, func() {
 		n.log().Debug("closing idle TCP relay", zap.String("route", info.RouteKey), zap.Duration("idle", idle))
 		client.Close()

@@ -58,6 +58,7 @@ type Conn struct {
 	openLen  int     // bytes of open in use
 	buffered int64   // bytes received and not yet consumed (including those WriteTo holds)
 	taken    int64   // bytes WriteTo took out of rq, still counted in buffered
+	batch    int     // SetWriteToBatch; 0: writeToBatch
 	rwin     recvWindow
 	readEOF  bool  // the peer half-closed its direction
 	rerr     error // the reason reads fail once the buffer is empty
@@ -404,12 +405,27 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 // whole window would otherwise wait on one write.
 const writeToBatch = 256 << 10
 
+// SetWriteToBatch bounds what one write of WriteTo takes (default 256 KiB,
+// at least one received buffer, 16 KiB from gRPC). Counts advances as each
+// write completes, so a caller that watches Counts for idleness sets it
+// small: a slow but steady reader then shows progress within its timeout,
+// at the cost of more writes.
+func (c *Conn) SetWriteToBatch(n int) {
+	c.mu.Lock()
+	c.batch = max(n, 1)
+	c.mu.Unlock()
+}
+
 // takeBatchLocked removes buffered buffers from the front, up to about
-// writeToBatch bytes (at least one buffer).
+// the write batch (at least one buffer).
 func (c *Conn) takeBatchLocked() []mem.Buffer {
 	var bufs []mem.Buffer
 	size := 0
-	for c.nextBufferLocked() && (len(bufs) == 0 || size+c.rq.items[c.rq.head].Len() <= writeToBatch) {
+	limit := c.batch
+	if limit == 0 {
+		limit = writeToBatch
+	}
+	for c.nextBufferLocked() && (len(bufs) == 0 || size+c.rq.items[c.rq.head].Len() <= limit) {
 		b := c.rq.pop()
 		size += b.Len()
 		bufs = append(bufs, b)

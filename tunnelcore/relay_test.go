@@ -76,3 +76,31 @@ func TestRelayEndsWhenItsConnBreaks(t *testing.T) {
 		})
 	}
 }
+
+// TestWriteToBatchShowsProgressPerPiece: with a small write batch, WriteTo
+// hands the writer one received piece at a time, so Counts advances with
+// each (what an idle watcher reads), instead of once per 256 KiB.
+func TestWriteToBatchShowsProgressPerPiece(t *testing.T) {
+	_, c, b := nodeWithRawPeer(t, 8, Config{})
+	c.SetWriteToBatch(16 << 10)
+	peer := rawPeer{t, b}
+	for range 4 {
+		peer.data(c.ID(), 16<<10)
+	}
+	eventually(t, 5*time.Second, "the data buffered", func() bool { return c.Buffered() == 64<<10 })
+	peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{Close: &tunnelpb.Close{ConnId: c.ID()}}})
+	w := &recordingWriter{}
+	if n, err := c.WriteTo(w); err != nil || n != 64<<10 {
+		t.Fatalf("WriteTo = %d, %v", n, err)
+	}
+	if len(w.writes) != 4 {
+		t.Fatalf("writes of %v bytes, want four of 16 KiB", w.writes)
+	}
+}
+
+type recordingWriter struct{ writes []int }
+
+func (w *recordingWriter) Write(p []byte) (int, error) {
+	w.writes = append(w.writes, len(p))
+	return len(p), nil
+}
