@@ -3,9 +3,11 @@ package tunnelcore
 import (
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc/mem"
@@ -907,5 +909,24 @@ func (a Addr) String() string {
 }
 
 func errorFrame(id uint64, code tunnelpb.Error_Code, msg string) *tunnelpb.Frame {
-	return &tunnelpb.Frame{Kind: &tunnelpb.Frame_Error{Error: &tunnelpb.Error{ConnId: id, Code: code, Message: msg}}}
+	return &tunnelpb.Frame{Kind: &tunnelpb.Frame_Error{Error: &tunnelpb.Error{ConnId: id, Code: code, Message: errorMessage(msg)}}}
+}
+
+// maxErrorMessage bounds the text of an Error frame.
+const maxErrorMessage = 512
+
+// errorMessage makes msg fit an Error frame: at most maxErrorMessage bytes,
+// cut at a rune boundary, and valid UTF-8, which a protobuf string must be
+// (a reason quoting bytes from a peer or an upstream need not be; an
+// invalid one would fail the marshalling of the frame, and the session).
+func errorMessage(msg string) string {
+	msg = strings.ToValidUTF8(msg, "\uFFFD")
+	if len(msg) <= maxErrorMessage {
+		return msg
+	}
+	cut := maxErrorMessage
+	for cut > 0 && !utf8.RuneStart(msg[cut]) {
+		cut--
+	}
+	return msg[:cut]
 }

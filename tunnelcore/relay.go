@@ -5,6 +5,8 @@ import (
 	"io"
 	"net"
 	"sync"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // closeWriter is a connection that can half-close (TCP, TLS, Conn).
@@ -41,8 +43,13 @@ func Relay(a, b net.Conn) RelayResult {
 	abort := func(err error) {
 		once.Do(func() {
 			res.Err = err
-			a.Close()
-			b.Close()
+			if err == nil {
+				a.Close()
+				b.Close()
+				return
+			}
+			cut(a, err)
+			cut(b, err)
 		})
 	}
 	pipe := func(dst, src net.Conn, n *int64) {
@@ -78,6 +85,23 @@ func Relay(a, b net.Conn) RelayResult {
 	a.Close()
 	b.Close()
 	return res
+}
+
+// cut ends c after a relay error so that whoever is behind it learns the
+// stream was cut short rather than finished: a virtual connection is
+// aborted (its peer reads an error, not EOF), a TCP connection reset. A
+// close would pass a truncated stream off as a whole one to a protocol
+// that ends its messages at close.
+func cut(c net.Conn, err error) {
+	switch x := c.(type) {
+	case *Conn:
+		x.Abort(tunnelpb.Error_CANCELED, err.Error())
+	case *net.TCPConn:
+		x.SetLinger(0)
+		x.Close()
+	default:
+		c.Close()
+	}
 }
 
 func isClosedErr(err error) bool {

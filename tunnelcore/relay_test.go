@@ -1,10 +1,13 @@
 package tunnelcore
 
 import (
+	"errors"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
@@ -103,4 +106,75 @@ type recordingWriter struct{ writes []int }
 func (w *recordingWriter) Write(p []byte) (int, error) {
 	w.writes = append(w.writes, len(p))
 	return len(p), nil
+}
+
+// TestRelayPassesAResetOn: an upstream that sends some bytes and then
+// resets its connection reaches the other end of the tunnel as an error,
+// not as a clean end: a protocol that ends its messages at close can tell a
+// truncated stream.
+func TestRelayPassesAResetOn(t *testing.T) {
+	node, agent := sessionPair(t, transports[0], Config{}, Config{})
+	nc, _ := node.Open(ConnectInfo{})
+	nc.Write([]byte("go"))
+	ac := accept(t, agent)
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		io.ReadFull(c, make([]byte, 2))
+		c.Write([]byte("partial"))
+		c.(*net.TCPConn).SetLinger(0)
+		c.Close() // RST
+	}()
+	uc, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	go Relay(uc, ac)
+
+	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	// The kernel may drop "partial" with the reset; what matters is that
+	// the stream does not end cleanly.
+	got, err := io.ReadAll(nc)
+	if (string(got) != "partial" && len(got) != 0) || err == nil {
+		t.Fatalf("the tunnel's far end read %q, %v; want the bytes sent, then an error", got, err)
+	}
+	var perr *PeerError
+	if !errors.As(err, &perr) {
+		t.Fatalf("read error %v, want the peer's abort", err)
+	}
+}
+
+// TestErrorMessagesFitTheWire: an abort's reason that is not valid UTF-8
+// (quoting bytes from an upstream, say) or is very long still makes a valid
+// Error frame: the session goes on and the peer reads a bounded, cleaned
+// message.
+func TestErrorMessagesFitTheWire(t *testing.T) {
+	node, agent := sessionPair(t, transports[0], Config{}, Config{})
+	nc, _ := node.Open(ConnectInfo{})
+	nc.Write([]byte("x"))
+	ac := accept(t, agent)
+	ac.Abort(tunnelpb.Error_CANCELED, "bad \xff\xfe bytes "+strings.Repeat("é", 1000))
+	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err := io.ReadAll(nc)
+	var perr *PeerError
+	if !errors.As(err, &perr) {
+		t.Fatalf("read error %v, want the peer's abort", err)
+	}
+	if !utf8.ValidString(perr.Message) || len(perr.Message) > maxErrorMessage || !strings.HasPrefix(perr.Message, "bad \ufffd bytes") {
+		t.Fatalf("message %q (%d bytes)", perr.Message, len(perr.Message))
+	}
+	if err := node.Err(); err != nil {
+		t.Fatalf("node session failed: %v", err)
+	}
+	if err := agent.Err(); err != nil {
+		t.Fatalf("agent session failed: %v", err)
+	}
 }
