@@ -753,7 +753,11 @@ func TestSSESoak(t *testing.T) {
 		float64(rssBefore)/(1<<20), float64(rssAfter)/(1<<20), float64(rssAfter-rssBefore)/(1<<20),
 		mib(msBefore.HeapInuse), mib(msAfter.HeapInuse), mib(msBefore.StackInuse), mib(msAfter.StackInuse),
 		gBefore, runtime.NumGoroutine(), raceBuild())
-	if rssAfter-rssBefore > 64<<20 {
+	// Under -race the detector's shadow memory grows with everything the
+	// process has done (a second -count run starts near 900 MiB and grew
+	// 98 MiB with the Go heap unchanged), so RSS bounds only a plain build;
+	// the heap check below holds for both.
+	if rssAfter-rssBefore > 64<<20 && !raceBuild() {
 		t.Errorf("RSS grew by %.1f MiB (limit 64 MiB)", float64(rssAfter-rssBefore)/(1<<20))
 	}
 	// What the streams could leak lives in the Go heap (after a GC);
