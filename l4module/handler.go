@@ -130,6 +130,28 @@ func (c conn) CloseWrite() error {
 	return errors.New("connection cannot half-close: too many wrappers")
 }
 
+// NetConn returns the TCP connection under the layer4 wrappers (the
+// connection itself when there is none to find), so that a relay passing an
+// upstream's reset on can reset the client's connection (tunnelcore.Relay).
+func (c conn) NetConn() net.Conn {
+	nc := c.Connection.Conn
+	for range 16 {
+		switch x := nc.(type) {
+		case *net.TCPConn:
+			return x
+		case *layer4.Connection:
+			nc = x.Conn
+		case interface{ Raw() net.Conn }: // *proxyproto.Conn
+			nc = x.Raw()
+		case interface{ NetConn() net.Conn }: // *tls.Conn
+			nc = x.NetConn()
+		default:
+			return nc
+		}
+	}
+	return nc
+}
+
 // Interface guards
 var (
 	_ caddy.Provisioner     = (*Handler)(nil)

@@ -44,6 +44,10 @@ const (
 	// idle relay is closed, not aborted).
 	Error_TIMEOUT  Error_Code = 7
 	Error_INTERNAL Error_Code = 8
+	// The byte stream was cut short: a relay's read or write on the real
+	// connection behind it failed (a reset, say). A relay receiving it
+	// passes the cut on (resets its TCP side) instead of ending cleanly.
+	Error_RESET Error_Code = 9
 )
 
 // Enum value maps for Error_Code.
@@ -58,6 +62,7 @@ var (
 		6: "PROTOCOL",
 		7: "TIMEOUT",
 		8: "INTERNAL",
+		9: "RESET",
 	}
 	Error_Code_value = map[string]int32{
 		"UNSPECIFIED":        0,
@@ -69,6 +74,7 @@ var (
 		"PROTOCOL":           6,
 		"TIMEOUT":            7,
 		"INTERNAL":           8,
+		"RESET":              9,
 	}
 )
 
@@ -1311,11 +1317,11 @@ const file_tunnel_proto_rawDesc = "" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x12\x18\n" +
 	"\apayload\x18\x02 \x01(\fR\apayload\" \n" +
 	"\x05Close\x12\x17\n" +
-	"\aconn_id\x18\x01 \x01(\x04R\x06connId\"\x85\x02\n" +
+	"\aconn_id\x18\x01 \x01(\x04R\x06connId\"\x90\x02\n" +
 	"\x05Error\x12\x17\n" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x120\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x1c.sluice.tunnel.v1.Error.CodeR\x04code\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"\x96\x01\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\xa1\x01\n" +
 	"\x04Code\x12\x0f\n" +
 	"\vUNSPECIFIED\x10\x00\x12\f\n" +
 	"\bCANCELED\x10\x01\x12\x0f\n" +
@@ -1325,7 +1331,8 @@ const file_tunnel_proto_rawDesc = "" +
 	"\fFLOW_CONTROL\x10\x05\x12\f\n" +
 	"\bPROTOCOL\x10\x06\x12\v\n" +
 	"\aTIMEOUT\x10\a\x12\f\n" +
-	"\bINTERNAL\x10\b\"\xa0\x01\n" +
+	"\bINTERNAL\x10\b\x12\t\n" +
+	"\x05RESET\x10\t\"\xa0\x01\n" +
 	"\fWindowUpdate\x12\x17\n" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x12\x1c\n" +
 	"\tincrement\x18\x02 \x01(\rR\tincrement\x12\x18\n" +

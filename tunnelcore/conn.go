@@ -824,6 +824,12 @@ func (c *Conn) whenBroken(f func()) {
 	c.mu.Unlock()
 }
 
+func (c *Conn) isBroken() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.broken
+}
+
 // breakLocked marks c broken and returns the hook to run, once.
 func (c *Conn) breakLocked() func() {
 	if c.broken {

@@ -73,7 +73,7 @@ func Relay(a, b net.Conn) RelayResult {
 	}
 	for _, x := range [...]net.Conn{a, b} {
 		if vc, ok := x.(*Conn); ok {
-			vc.whenBroken(func() { abort(vc.brokenErr()) })
+			vc.whenBroken(func() { abort(cutShort(vc.brokenErr())) })
 			defer vc.whenBroken(nil)
 		}
 	}
@@ -93,17 +93,52 @@ func Relay(a, b net.Conn) RelayResult {
 // close would pass a truncated stream off as a whole one to a protocol
 // that ends its messages at close.
 func cut(c net.Conn, err error) {
-	switch x := c.(type) {
-	case *Conn:
-		x.Abort(tunnelpb.Error_CANCELED, err.Error())
-	case *net.TCPConn:
-		x.SetLinger(0)
-		x.Close()
-	default:
-		c.Close()
+	if x, ok := c.(*Conn); ok {
+		if x.isBroken() { // its peer knows already
+			x.Close()
+			return
+		}
+		x.Abort(tunnelpb.Error_RESET, err.Error())
+		return
 	}
+	if tc := rawTCP(c); tc != nil {
+		tc.SetLinger(0)
+		// Before c: a TLS layer closing first would send close_notify,
+		// which says the stream is complete.
+		tc.Close()
+	}
+	c.Close()
+}
+
+// rawTCP finds the TCP connection under c, through wrappers that expose
+// theirs with NetConn (crypto/tls, the layer4 handler's connection), or
+// nil.
+func rawTCP(c net.Conn) *net.TCPConn {
+	for range 16 {
+		switch x := c.(type) {
+		case *net.TCPConn:
+			return x
+		case interface{ NetConn() net.Conn }:
+			c = x.NetConn()
+		default:
+			return nil
+		}
+	}
+	return nil
+}
+
+// cutShort is the error a relay ends with when its virtual connection
+// broke with err: nil (close both sides normally) when the peer only
+// closed it (CANCELED, which follows a Close), err otherwise (the peer's
+// relay cut its stream, the session ended), which cut passes on.
+func cutShort(err error) error {
+	var perr *PeerError
+	if errors.As(err, &perr) && perr.Code == tunnelpb.Error_CANCELED {
+		return nil
+	}
+	return err
 }
 
 func isClosedErr(err error) bool {
-	return errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF)
+	return errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF) || errors.Is(err, ErrConnClosed)
 }

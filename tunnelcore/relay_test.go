@@ -1,6 +1,7 @@
 package tunnelcore
 
 import (
+	"crypto/tls"
 	"errors"
 	"io"
 	"net"
@@ -18,7 +19,7 @@ import (
 // connection is aborted by the other end or its session ends, instead of
 // waiting on the upstream's silence for good.
 func TestRelayEndsWhenItsConnBreaks(t *testing.T) {
-	for _, how := range []string{"peer abort", "session end"} {
+	for _, how := range []string{"peer abort", "peer close", "session end"} {
 		t.Run(how, func(t *testing.T) {
 			node, agent := sessionPair(t, transports[0], Config{}, Config{})
 			nc, _ := node.Open(ConnectInfo{})
@@ -62,16 +63,21 @@ func TestRelayEndsWhenItsConnBreaks(t *testing.T) {
 			}
 			switch how {
 			case "peer abort":
-				nc.Abort(tunnelpb.Error_CANCELED, "client gone")
+				nc.Abort(tunnelpb.Error_RESET, "client reset")
+			case "peer close": // CANCELED: a close, ended normally here
+				nc.Close()
 			case "session end":
 				node.Close()
 			}
 			select {
 			case res := <-relayed:
 				// A session's end reads as the connection closed; an abort
-				// is an error.
+				// is an error; a close is not.
 				if how == "peer abort" && res.Err == nil {
 					t.Error("the relay reported a clean end for an aborted connection")
+				}
+				if how == "peer close" && res.Err != nil {
+					t.Errorf("the relay reported %v for a connection its peer closed", res.Err)
 				}
 			case <-time.After(5 * time.Second):
 				t.Fatal("the relay still waits on the silent upstream")
@@ -176,5 +182,30 @@ func TestErrorMessagesFitTheWire(t *testing.T) {
 	}
 	if err := agent.Err(); err != nil {
 		t.Fatalf("agent session failed: %v", err)
+	}
+}
+
+// TestRawTCPLooksThroughWrappers: the connection a relay resets is found
+// under a TLS layer (which must not send close_notify for a cut stream).
+func TestRawTCPLooksThroughWrappers(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	tc := c.(*net.TCPConn)
+	if got := rawTCP(tls.Client(tc, &tls.Config{})); got != tc {
+		t.Fatalf("rawTCP through tls.Conn = %v, want the TCP connection", got)
+	}
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if got := rawTCP(a); got != nil {
+		t.Fatalf("rawTCP(pipe) = %v, want nil", got)
 	}
 }
