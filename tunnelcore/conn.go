@@ -508,11 +508,12 @@ func (c *Conn) reserve(want int) (int, error) {
 			return 0, ErrWriteClosed
 		}
 		if room := int64(c.s.cfg.SendQueue) - c.queued.Load(); c.credit > 0 && room > 0 {
-			// Never past twice SendQueue: the sender only lowers
-			// queued, so the room measured here is there, and no frame
-			// is charged more than SendQueue (fitCharge).
+			// Never past SendQueue by more than one frame's minimum
+			// charge: the sender only lowers queued, so the room
+			// measured here is there, and the frame is cut to what its
+			// buffer's charge fits in.
 			n := int64(min(want, c.s.cfg.MaxFrameSize))
-			n = fitCharge(min(n, c.credit, room), int64(c.s.cfg.SendQueue))
+			n = fitRoom(min(n, c.credit, room), room)
 			c.credit -= n
 			c.queued.Add(frameCharge(n))
 			c.mu.Unlock()

@@ -99,20 +99,17 @@ func bufferSize(n int) int {
 	return n
 }
 
-// fitCharge cuts a frame of n bytes so that the buffer holding it (its
-// frameCharge) is at most limit (SendQueue): n itself when it is, else the
-// largest pool tier within limit. A MaxFrameSize between tiers (300 KiB,
-// held in a 1 MiB buffer) would otherwise queue three times SendQueue in
-// one frame. Frames are not cut to the room left in the queue: that would
-// split a bulk transfer into small frames after any small one, and one
-// frame past the room keeps the queue within twice SendQueue.
-func fitCharge(n, limit int64) int64 {
-	if frameCharge(n) <= limit || n <= minFrameCharge {
+// fitRoom cuts a frame of n bytes so that the buffer holding it (its
+// frameCharge) fits in room bytes of queue allowance: n itself when it
+// does, else the largest pool tier room holds. A frame below the smallest
+// tier is not cut: it is charged minFrameCharge whatever its size.
+func fitRoom(n, room int64) int64 {
+	if frameCharge(n) <= room || n <= minFrameCharge {
 		return n
 	}
 	fit := int64(minFrameCharge)
 	for _, t := range poolTiers {
-		if int64(t) <= limit {
+		if int64(t) <= room {
 			fit = int64(t)
 		}
 	}
