@@ -112,33 +112,31 @@ type conn struct{ *layer4.Connection }
 // connection that can: a *tls.Conn (close_notify) or the *net.TCPConn.
 // Without this a half-close after proxy_protocol closed both directions.
 func (c conn) CloseWrite() error {
-	nc := c.Connection.Conn
-	for range 16 {
-		switch x := nc.(type) {
-		case interface{ CloseWrite() error }:
-			return x.CloseWrite()
-		case *layer4.Connection:
-			nc = x.Conn
-		case interface{ Raw() net.Conn }: // *proxyproto.Conn
-			nc = x.Raw()
-		case interface{ NetConn() net.Conn }:
-			nc = x.NetConn()
-		default:
-			return errors.New("connection cannot half-close")
-		}
+	nc := c.find(func(nc net.Conn) bool { _, ok := nc.(interface{ CloseWrite() error }); return ok })
+	if cw, ok := nc.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
 	}
-	return errors.New("connection cannot half-close: too many wrappers")
+	return errors.New("connection cannot half-close")
 }
 
 // NetConn returns the TCP connection under the layer4 wrappers (the
-// connection itself when there is none to find), so that a relay passing an
-// upstream's reset on can reset the client's connection (tunnelcore.Relay).
+// innermost connection when there is none to find), so that a relay passing
+// an upstream's reset on can reset the client's connection
+// (tunnelcore.Relay).
 func (c conn) NetConn() net.Conn {
+	return c.find(func(nc net.Conn) bool { _, ok := nc.(*net.TCPConn); return ok })
+}
+
+// find looks through the wrappers around the client connection, outermost
+// first, for the first one that is what it wants, and returns it, or the
+// innermost connection it reached.
+func (c conn) find(want func(net.Conn) bool) net.Conn {
 	nc := c.Connection.Conn
 	for range 16 {
+		if want(nc) {
+			return nc
+		}
 		switch x := nc.(type) {
-		case *net.TCPConn:
-			return x
 		case *layer4.Connection:
 			nc = x.Conn
 		case interface{ Raw() net.Conn }: // *proxyproto.Conn

@@ -173,14 +173,7 @@ func TestIdleReaderWindowIsReclaimed(t *testing.T) {
 // per request, the answers releasing the credit above the request once.
 func TestReclaimFloodIsAnsweredOncePerRequestInBoundedMemory(t *testing.T) {
 	const requests = 2 * controlQueueBound
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
-	c, _ := node.Open(ConnectInfo{})
+	node, c, b := nodeWithRawPeer(t, 1, Config{})
 	peer := rawPeer{t, b}
 	const extra = 1 << 20
 	peer.send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.ID(), Increment: extra}}})
@@ -305,24 +298,15 @@ func TestRefusalFloodIsPacedByThePeersReading(t *testing.T) {
 // receive loop, as answers to the peer do: two busy ends would otherwise
 // each stop reading the other and never drain.
 func TestOwnConnectionFramesPastTheBoundStillReadThePeer(t *testing.T) {
-	a, b := Pipe(1)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, err := NewSession(a, Config{Role: RoleNode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer node.Close()
 	const conns = controlQueueBound + 100
-	var first *Conn
-	for i := 0; i < conns; i++ {
+	node, first, b := nodeWithRawPeer(t, 1, Config{})
+	first.grant(1)
+	for i := 1; i < conns; i++ {
 		c, err := node.Open(ConnectInfo{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		c.grant(1)
-		if first == nil {
-			first = c
-		}
 	}
 	if n := node.controlQueued(); n < controlQueueBound {
 		t.Fatalf("only %d control frames queued", n)

@@ -101,30 +101,13 @@ func cut(c net.Conn, err error) {
 		x.Abort(tunnelpb.Error_RESET, err.Error())
 		return
 	}
-	if tc := rawTCP(c); tc != nil {
+	if tc := tcpConnOf(c); tc != nil {
 		tc.SetLinger(0)
 		// Before c: a TLS layer closing first would send close_notify,
 		// which says the stream is complete.
 		tc.Close()
 	}
 	c.Close()
-}
-
-// rawTCP finds the TCP connection under c, through wrappers that expose
-// theirs with NetConn (crypto/tls, the layer4 handler's connection), or
-// nil.
-func rawTCP(c net.Conn) *net.TCPConn {
-	for range 16 {
-		switch x := c.(type) {
-		case *net.TCPConn:
-			return x
-		case interface{ NetConn() net.Conn }:
-			c = x.NetConn()
-		default:
-			return nil
-		}
-	}
-	return nil
 }
 
 // cutShort is the error a relay ends with when its virtual connection

@@ -185,9 +185,9 @@ func TestErrorMessagesFitTheWire(t *testing.T) {
 	}
 }
 
-// TestRawTCPLooksThroughWrappers: the connection a relay resets is found
+// TestTCPConnOfLooksThroughWrappers: the connection a relay resets is found
 // under a TLS layer (which must not send close_notify for a cut stream).
-func TestRawTCPLooksThroughWrappers(t *testing.T) {
+func TestTCPConnOfLooksThroughWrappers(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -199,13 +199,13 @@ func TestRawTCPLooksThroughWrappers(t *testing.T) {
 	}
 	defer c.Close()
 	tc := c.(*net.TCPConn)
-	if got := rawTCP(tls.Client(tc, &tls.Config{})); got != tc {
-		t.Fatalf("rawTCP through tls.Conn = %v, want the TCP connection", got)
+	if got := tcpConnOf(tls.Client(tc, &tls.Config{})); got != tc {
+		t.Fatalf("tcpConnOf through tls.Conn = %v, want the TCP connection", got)
 	}
 	a, b := net.Pipe()
 	defer a.Close()
 	defer b.Close()
-	if got := rawTCP(a); got != nil {
-		t.Fatalf("rawTCP(pipe) = %v, want nil", got)
+	if got := tcpConnOf(a); got != nil {
+		t.Fatalf("tcpConnOf(pipe) = %v, want nil", got)
 	}
 }
