@@ -64,6 +64,13 @@ type Config struct {
 	TunnelBudget int64 `yaml:"tunnel_budget"`
 	// LogLevel is debug, info, warn or error; default info.
 	LogLevel string `yaml:"log_level"`
+	// ShutdownGrace is how long sluice-agent lets its open connections
+	// finish after SIGINT or SIGTERM (Agent.Leave) before it cuts them;
+	// a second signal cuts them at once. 0 means DefaultShutdownGrace.
+	// Keep it below the time the supervisor waits before it kills the
+	// process (docker stop: 10 s, Kubernetes: 30 s, systemd: 90 s).
+	// YAML takes Go durations ("30s").
+	ShutdownGrace time.Duration `yaml:"shutdown_grace"`
 
 	serverTLS  bool   // parsed Server: grpcs
 	serverAddr string // parsed Server: host:port
@@ -257,6 +264,7 @@ const (
 	EnvMaxConnections = "SLUICE_MAX_CONNECTIONS"
 	EnvUpstreams      = "SLUICE_UPSTREAMS"
 	EnvTunnelBudget   = "SLUICE_TUNNEL_BUDGET"
+	EnvShutdownGrace  = "SLUICE_SHUTDOWN_GRACE"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -303,6 +311,14 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 			c.TunnelBudget = n
 		}
 	}
+	if v := getenv(EnvShutdownGrace); v != "" {
+		d, err := time.ParseDuration(strings.TrimSpace(v))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: invalid duration %q", EnvShutdownGrace, v))
+		} else {
+			c.ShutdownGrace = d
+		}
+	}
 	if v := getenv(EnvUpstreams); v != "" {
 		for _, spec := range strings.Split(v, ";") {
 			if strings.TrimSpace(spec) == "" {
@@ -342,6 +358,11 @@ func NewID() string {
 	}
 	return "agent-" + hex.EncodeToString(b[:])
 }
+
+// DefaultShutdownGrace is the default Config.ShutdownGrace: just under the
+// 10 s docker stop waits before it kills, so that the agent cuts what is
+// left, logs it and exits by itself.
+const DefaultShutdownGrace = 9 * time.Second
 
 var logLevels = map[string]bool{"debug": true, "info": true, "warn": true, "error": true}
 
@@ -429,6 +450,12 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxConnections < 0 {
 		fail("max_connections", "must be >= 0, got %d", c.MaxConnections)
+	}
+	switch {
+	case c.ShutdownGrace < 0:
+		fail("shutdown_grace", "must be >= 0, got %v", c.ShutdownGrace)
+	case c.ShutdownGrace == 0:
+		c.ShutdownGrace = DefaultShutdownGrace
 	}
 
 	// upstreams

@@ -65,6 +65,7 @@ token_file: `+tokenFile+`
 id: office-1
 max_connections: 500
 log_level: DEBUG
+shutdown_grace: 45s
 upstreams:
   - host: App.Example.COM
     target: http://127.0.0.1:3000
@@ -103,6 +104,9 @@ upstreams:
 	}
 	if c.ID != "office-1" || c.MaxConnections != 500 || c.LogLevel != "debug" || c.ZapLevel() != zapcore.DebugLevel {
 		t.Errorf("id/max/log = %q %d %q", c.ID, c.MaxConnections, c.LogLevel)
+	}
+	if c.ShutdownGrace != 45*time.Second {
+		t.Errorf("ShutdownGrace = %v", c.ShutdownGrace)
 	}
 	type want struct {
 		name, scheme, hostport string
@@ -234,6 +238,7 @@ func TestValidateErrors(t *testing.T) {
 		{"ca_file missing", func(c *Config) { c.CAFile = "/nonexistent/ca.pem" }, "ca_file: open /nonexistent/ca.pem"},
 		{"ca_file not PEM", func(c *Config) { c.CAFile = notPEM }, "ca_file: " + notPEM + ": no PEM certificate"},
 		{"token required", func(c *Config) { c.Token = "" }, "token: required"},
+		{"shutdown_grace negative", func(c *Config) { c.ShutdownGrace = -time.Second }, "shutdown_grace: must be >= 0, got -1s"},
 		{"token blank", func(c *Config) { c.Token = "  " }, "token: required"},
 		{"token and token_file", func(c *Config) { c.TokenFile = empty }, "token and token_file are mutually exclusive"},
 		{"token_file missing", func(c *Config) { c.Token = ""; c.TokenFile = "/nonexistent/token" }, "token_file: open /nonexistent/token"},
@@ -519,13 +524,14 @@ func TestApplyEnv(t *testing.T) {
 			EnvCAFile:         "/ca.pem",
 			EnvLogLevel:       "debug",
 			EnvMaxConnections: "20",
+			EnvShutdownGrace:  "2m",
 			EnvUpstreams:      "env.example.com=http://b:2 ; ;listen_port=2222,target=tcp://c:22;",
 		}))
 		if err != nil {
 			t.Fatal(err)
 		}
 		if c.Server != "grpcs://env:2" || c.ID != "env-id" || c.Insecure || c.CAFile != "/ca.pem" ||
-			c.LogLevel != "debug" || c.MaxConnections != 20 {
+			c.LogLevel != "debug" || c.MaxConnections != 20 || c.ShutdownGrace != 2*time.Minute {
 			t.Errorf("%+v", c)
 		}
 		if c.Token != "" || c.TokenFile != tokenFile {

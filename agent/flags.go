@@ -81,6 +81,9 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 	if set["tunnel-budget"] {
 		c.TunnelBudget = v.tunnelBudget
 	}
+	if set["shutdown-grace"] {
+		c.ShutdownGrace = v.shutdownGrace
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
@@ -107,6 +110,7 @@ type flagValues struct {
 	insecure, version                                      bool
 	maxConns                                               int
 	tunnelBudget                                           int64
+	shutdownGrace                                          time.Duration
 	upstreams                                              stringList
 }
 
@@ -125,6 +129,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.StringVar(&v.logLevel, "log-level", "", "debug, info, warn or error; default info ($"+EnvLogLevel+")")
 	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
 	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
+	fs.DurationVar(&v.shutdownGrace, "shutdown-grace", 0, "on SIGINT/SIGTERM, how long open connections may finish; a second signal cuts them; 0 = "+DefaultShutdownGrace.String()+" ($"+EnvShutdownGrace+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	// Listed here so that -h shows it among the flags; ParseFlags answers
 	// it with ErrVersion.
@@ -158,7 +163,7 @@ config file, then those of %s, then the -upstream flags.
 Environment:
   %s  %s  %s  %s
   %s  %s  %s  %s
-  %s  %s  %s
+  %s  %s  %s  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -177,7 +182,7 @@ Upstream spec (-upstream, %s):
   so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
   through an https:// target.
 `, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
-		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvUpstreams, EnvUpstreams)
+		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvUpstreams)
 }
 
 type stringList []string

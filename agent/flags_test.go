@@ -153,6 +153,16 @@ upstreams:
 				t.Errorf("token %q", c.Token)
 			}
 		}},
+		{"shutdown grace default", nil, func(t *testing.T, c *Config) {
+			if c.ShutdownGrace != DefaultShutdownGrace {
+				t.Errorf("ShutdownGrace %v, want the default %v", c.ShutdownGrace, DefaultShutdownGrace)
+			}
+		}},
+		{"-shutdown-grace", []string{"-shutdown-grace", "90s"}, func(t *testing.T, c *Config) {
+			if c.ShutdownGrace != 90*time.Second {
+				t.Errorf("ShutdownGrace %v", c.ShutdownGrace)
+			}
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -194,6 +204,9 @@ func TestParseFlagsErrors(t *testing.T) {
 		{"missing server", []string{"-upstream", "a=http://a:1"}, map[string]string{EnvToken: "t"}, []string{"server: required"}},
 		{"missing config file", nil, map[string]string{EnvConfig: "/nonexistent/agent.yaml"}, []string{"/nonexistent/agent.yaml"}},
 		{"bad env", []string{"-max-connections", "3"}, map[string]string{EnvMaxConnections: "x"}, []string{"SLUICE_MAX_CONNECTIONS"}},
+		{"bad grace env", nil, map[string]string{EnvShutdownGrace: "10"}, []string{`SLUICE_SHUTDOWN_GRACE: invalid duration "10"`}},
+		{"bad grace flag", []string{"-shutdown-grace", "soon"}, env, []string{"shutdown-grace"}},
+		{"negative grace", []string{"-shutdown-grace", "-1s", "-upstream", "a=http://a:1"}, env, []string{"shutdown_grace: must be >= 0"}},
 		{"id not ASCII", []string{"-id", "büro", "-upstream", "a=http://a:1"}, env, []string{`id: "büro": must be printable ASCII`}},
 		{"token not ASCII", []string{"-token", "s\u00e9cret", "-upstream", "a=http://a:1"}, env, []string{"token: must be printable ASCII"}},
 		{"token flags conflict", []string{"-token", "a", "-token-file", "/x", "-upstream", "a=http://a:1"}, env,
@@ -225,7 +238,7 @@ func TestParseFlagsHelp(t *testing.T) {
 		}
 		for _, w := range []string{
 			"Usage: sluice-agent", "-config", "-server", "-token-file", "-insecure", "-ca-file",
-			"-log-level", "-max-connections", "-upstream", "-id",
+			"-log-level", "-max-connections", "-upstream", "-id", "-shutdown-grace", EnvShutdownGrace,
 			EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile,
 			EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvUpstreams, "*=TARGET", "host=app.example.com,target=",
 			"a setting given as a flag overrides the environment", "Upstreams are combined instead",

@@ -42,7 +42,8 @@ type fakeNode struct {
 
 	// ack builds the AdvertiseAck for the n-th Advertise (n from 1) of a
 	// session; nil accepts every route. Returning nil sends no Ack.
-	ack func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
+	ack    func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
+	silent bool // nodeOptions.silentOnDrain
 
 	attempts    atomic.Int32 // Connect calls
 	authFailed  atomic.Int32 // Connect calls refused for the token
@@ -59,12 +60,17 @@ type nodeSession struct {
 	cancel context.CancelFunc
 	// advs receives every later Advertise of the session.
 	advs chan *tunnelpb.Advertise
+	// drains receives the Drain frames the agent sends when it leaves.
+	drains chan *tunnelpb.Drain
 }
 
 type nodeOptions struct {
 	addr  string // default 127.0.0.1:0
 	creds credentials.TransportCredentials
 	ack   func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
+	// silentOnDrain leaves an agent's Drain unanswered, as nodes that
+	// predate it do; otherwise the node answers with an empty AdvertiseAck.
+	silentOnDrain bool
 }
 
 func newFakeNode(t testing.TB, token string, o nodeOptions) *fakeNode {
@@ -100,6 +106,7 @@ func newFakeNode(t testing.TB, token string, o nodeOptions) *fakeNode {
 		addr:     lis.Addr().String(),
 		srv:      grpc.NewServer(opts...),
 		ack:      o.ack,
+		silent:   o.silentOnDrain,
 		sessions: make(chan *nodeSession, 16),
 	}
 	tunnelpb.RegisterTunnelServer(n.srv, n)
@@ -134,7 +141,7 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 	}
 	ctx, cancel := context.WithCancel(st.Context())
 	defer cancel()
-	ns := &nodeSession{adv: adv, md: md, cancel: cancel, advs: make(chan *tunnelpb.Advertise, 16)}
+	ns := &nodeSession{adv: adv, md: md, cancel: cancel, advs: make(chan *tunnelpb.Advertise, 16), drains: make(chan *tunnelpb.Drain, 4)}
 	var advN atomic.Int32
 	advN.Store(1)
 	var sess *tunnelcore.Session
@@ -143,6 +150,18 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 		Role:       tunnelcore.RoleNode,
 		PeerWindow: adv.GetInitialWindow(),
 		OnControl: func(f *tunnelpb.Frame) {
+			if d := f.GetDrain(); d != nil {
+				select {
+				case ns.drains <- d:
+				default:
+				}
+				if !n.silent {
+					go func() { // OnControl must not block
+						<-ready
+						sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: "node-1"}}})
+					}()
+				}
+			}
 			if a := f.GetAdvertise(); a != nil {
 				select {
 				case ns.advs <- a:

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"runtime"
@@ -124,6 +125,13 @@ type Agent struct {
 
 	running atomic.Bool
 	state   atomic.Int32
+	stopped chan struct{} // closed when Run returns
+
+	// Leave: leaveCh is closed once it was called, after leaveCtx (its
+	// grace) was stored.
+	leaveOnce sync.Once
+	leaveCh   chan struct{}
+	leaveCtx  context.Context
 
 	mu        sync.Mutex
 	connected chan struct{} // closed while connected; replaced on disconnect
@@ -153,6 +161,8 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		ackTimeout:     ackTimeout,
 		drainMargin:    drainMargin,
 		connected:      make(chan struct{}),
+		stopped:        make(chan struct{}),
+		leaveCh:        make(chan struct{}),
 		lastToken:      cfg.Token,
 		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).Budget),
 	}
@@ -295,6 +305,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			a.log.Warn("connections still open at shutdown", zap.Int("connections", a.conn.Active()))
 		}
 		a.log.Info("agent stopped")
+		close(a.stopped)
 	}()
 
 	bo := newBackoff(a.backoffInitial, a.backoffMax, nil)
@@ -308,7 +319,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		lvl("connecting", zap.String("server", a.cfg.Server), zap.String("agent_id", a.cfg.ID))
 
 		r := a.session(ctx)
-		if ctx.Err() != nil {
+		if ctx.Err() != nil || a.leavingNow() {
 			return nil
 		}
 		// A session another agent of the same id displaced does not
@@ -327,10 +338,49 @@ func (a *Agent) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			t.Stop()
 			return nil
+		case <-a.leaveCh:
+			t.Stop()
+			return nil
 		case <-t.C:
 		}
 	}
 	return nil
+}
+
+// Leave stops the agent gracefully, as sluice-agent does on SIGINT or
+// SIGTERM. The agent sends the node Drain: the node routes no new
+// connections to it (other agents serving the same hosts take them, as
+// when it is gone) and closes the idle pooled connections it holds to it.
+// The connections open go on; once the node has answered and none is left,
+// the agent ends the session and Run returns nil. If ctx is done first
+// (the grace is over), the connections still open are cut.
+//
+// Leave returns when Run has returned: nil, or ctx.Err() when the grace
+// ran out. A node older than this agent does not answer Drain, so the
+// agent then takes the whole grace. Leave before Run makes Run return at
+// once; only the first call's ctx counts.
+func (a *Agent) Leave(ctx context.Context) error {
+	a.leaveOnce.Do(func() {
+		a.leaveCtx = ctx
+		close(a.leaveCh)
+	})
+	select {
+	case <-a.stopped:
+		return nil
+	case <-ctx.Done():
+		<-a.stopped
+		return ctx.Err()
+	}
+}
+
+// leavingNow reports whether Leave was called.
+func (a *Agent) leavingNow() bool {
+	select {
+	case <-a.leaveCh:
+		return true
+	default:
+		return false
+	}
 }
 
 // displaced reports whether the node ended the session because a newer
@@ -630,6 +680,9 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	case <-ctx.Done():
 		ackTimer.Stop()
 		return sessionResult{err: ctx.Err()}
+	case <-a.leaveCh:
+		ackTimer.Stop()
+		return sessionResult{err: errLeft}
 	case <-ackTimer.C:
 		err := fmt.Errorf("no AdvertiseAck within %v", a.ackTimeout)
 		sess.CloseWithError(err)
@@ -686,17 +739,42 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		}
 	}()
 	var drainC <-chan time.Time
+	leaveC := a.leaveCh
+	var lv *leaving
 	for {
 		select {
 		case <-ctx.Done():
 			return sessionResult{connected: true, err: ctx.Err()}
 		case <-sess.Done():
 			return sessionResult{connected: true, err: reason(), drained: drained.Load()}
+		case <-leaveC:
+			leaveC = nil
+			scheduleReadvertise(false)
+			lv = a.startLeaving(sess)
 		case ack := <-acks:
+			if lv != nil {
+				lv.answered(ack)
+				continue
+			}
 			routes.update(a.log, ack)
 			scheduleReadvertise(len(ack.GetRejected()) > 0)
+		case <-lv.idleC():
+			a.log.Info("left the node: every connection finished")
+			sess.CloseWithError(errLeft)
+			return sessionResult{connected: true, err: errLeft}
+		case <-lv.graceC():
+			why := "shutdown grace over"
+			if !errors.Is(a.leaveCtx.Err(), context.DeadlineExceeded) {
+				why = "told to stop now"
+			}
+			a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", a.conn.Active()))
+			sess.CloseWithError(errLeft)
+			return sessionResult{connected: true, err: errLeft}
 		case <-readvC:
 			readvTimer, readvC = nil, nil
+			if lv != nil {
+				continue
+			}
 			if err := sess.SendControl(adv); err != nil {
 				continue // the session ended; sess.Done reports it
 			}
@@ -710,6 +788,61 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 			sess.CloseWithError(errors.New("node drained"))
 		}
 	}
+}
+
+// errLeft ends a session the agent left (Leave).
+var errLeft = errors.New("agent shutting down")
+
+// leaving is the state of a session the agent is leaving: it sent Drain
+// and waits for the node's answer, then for its connections to finish.
+type leaving struct {
+	a         *Agent
+	withdrawn bool            // the node answered: nothing new will be routed here
+	idle      <-chan struct{} // set once withdrawn: closed when no connection is open
+}
+
+// startLeaving sends the node Drain, with the grace Leave's ctx leaves.
+func (a *Agent) startLeaving(sess *tunnelcore.Session) *leaving {
+	var grace time.Duration
+	graceText := "none (until told to stop)"
+	if dl, ok := a.leaveCtx.Deadline(); ok {
+		grace = max(time.Until(dl), 0)
+		graceText = grace.Round(time.Millisecond).String()
+	}
+	a.log.Info("leaving the node: no new connections; waiting for the open ones to finish",
+		zap.Int("connections", a.conn.Active()), zap.String("grace", graceText))
+	_ = sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{
+		GraceMs: uint32(min(grace, time.Duration(math.MaxUint32)*time.Millisecond) / time.Millisecond),
+		Reason:  errLeft.Error(),
+	}}})
+	return &leaving{a: a}
+}
+
+// answered takes an AdvertiseAck that came while leaving. The node answers
+// Drain with one that lists no route (every Advertise lists at least one,
+// so an ack answering one sent before Drain cannot be mistaken for it).
+func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
+	if l.withdrawn || len(ack.GetAccepted())+len(ack.GetRejected()) > 0 {
+		return
+	}
+	l.withdrawn = true
+	l.idle = l.a.conn.whenIdle()
+	l.a.log.Debug("node withdrew the routes", zap.Int("connections", l.a.conn.Active()))
+}
+
+// idleC and graceC are nil (never ready) until their time comes.
+func (l *leaving) idleC() <-chan struct{} {
+	if l == nil {
+		return nil
+	}
+	return l.idle
+}
+
+func (l *leaving) graceC() <-chan struct{} {
+	if l == nil {
+		return nil
+	}
+	return l.a.leaveCtx.Done()
 }
 
 // routeState tracks which routes the node rejected, to log changes once.

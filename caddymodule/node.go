@@ -469,6 +469,8 @@ func (n *node) onControl(a *agentSession, f *tunnelpb.Frame) {
 		n.admitMu.Lock()
 		n.readmitLocked(a, k.Advertise.GetRoutes())
 		n.admitMu.Unlock()
+	case *tunnelpb.Frame_Drain:
+		n.leave(a, k.Drain)
 	case *tunnelpb.Frame_Error:
 		if ok, suppressed := n.agentErrLog.Allow(); ok {
 			n.log().Warn("agent reported an error", zap.String("agent", a.agentID),
@@ -477,6 +479,37 @@ func (n *node) onControl(a *agentSession, f *tunnelpb.Frame) {
 	default:
 		n.log().Debug("ignoring frame from agent", zap.String("agent", a.agentID), zap.String("frame", fmt.Sprintf("%T", k)))
 	}
+}
+
+// leave serves an agent's Drain: the agent is shutting down. Its routes are
+// withdrawn from every lookup and its ports released, so new requests and
+// connections go to other agents, while the connections it has open run on;
+// the agent ends the session once they are done (or its grace ran out). The
+// answer is an AdvertiseAck with no routes: everything sent before it was
+// routed by the old table, which tells the agent when no new work can come.
+// Idle pooled HTTP connections to the agent are closed (they hold its
+// connections open but carry nothing), as are those that go idle later
+// (closeWhenIdle).
+func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
+	n.admitMu.Lock()
+	withdrawn := n.reg.withdraw(a)
+	if withdrawn {
+		n.releasePorts(a.currentRoutes(&n.reg.mu))
+	}
+	n.admitMu.Unlock()
+	a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{
+		NodeId: n.id, InitialWindow: tunnelcore.InitialWindow,
+	}}})
+	if !withdrawn {
+		return
+	}
+	if ok, suppressed := n.sessionLog.Allow(); ok {
+		n.log().Info("agent leaving; its routes take no new connections", zap.String("agent", a.agentID),
+			zap.String("reason", truncate(d.GetReason(), maxLoggedMessage)), zap.Int("open_connections", a.sess.NumConns()),
+			zap.Duration("grace", time.Duration(d.GetGraceMs())*time.Millisecond), zap.Int("suppressed_since_last", suppressed))
+	}
+	// Off the session's receive loop: closing a connection sends frames.
+	go n.closeIdleConns()
 }
 
 // names lists the route names for a log line: the first maxLoggedRoutes,
@@ -547,6 +580,11 @@ func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
 		// again would bind ports to a dead session for good.
 		return
 	default:
+	}
+	if a.leaving.Load() {
+		// The agent is shutting down (leave): its routes stay withdrawn,
+		// also when a reload re-admits the port routes of every session.
+		return
 	}
 	a.advertised = routes
 	old := a.currentRoutes(&n.reg.mu)

@@ -41,6 +41,9 @@ type agentSession struct {
 	// advertised is the agent's last Advertise, re-admitted when a reload
 	// changes the port options. Guarded by node.admitMu.
 	advertised []*tunnelpb.Route
+	// leaving is set when the agent sent Drain: it is shutting down, and
+	// its routes take no new requests (registry.withdraw).
+	leaving atomic.Bool
 }
 
 // routeEntry is one route of one agent session.
@@ -136,15 +139,18 @@ type routeTable struct {
 
 // registry holds the agent sessions of one node, by agent id.
 type registry struct {
-	mu      sync.Mutex
-	agents  map[string]*agentSession
+	mu     sync.Mutex
+	agents map[string]*agentSession
+	// leaving holds the sessions whose agent is shutting down (withdraw):
+	// no longer their id's session, routing nothing new, until they end.
+	leaving map[*agentSession]struct{}
 	nextGen atomic.Uint64
 	table   atomic.Pointer[routeTable]
 }
 
 func newRegistry() *registry {
-	r := &registry{agents: make(map[string]*agentSession)}
-	r.table.Store(buildTable(nil))
+	r := &registry{agents: make(map[string]*agentSession), leaving: make(map[*agentSession]struct{})}
+	r.table.Store(buildTable(nil, nil))
 	return r
 }
 
@@ -284,15 +290,40 @@ func (r *registry) register(a *agentSession, entries []*routeEntry) (replaced *a
 	return replaced
 }
 
-// unregister removes a only if it is still the agent's current session, so a
-// displaced session's late end never evicts its successor.
+// unregister removes a when it ends, only if it is still the agent's
+// current session (so a displaced session's late end never evicts its
+// successor) or a leaving one. It reports whether a was either.
 func (r *registry) unregister(a *agentSession) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.leaving[a]; ok {
+		delete(r.leaving, a)
+		r.rebuildLocked()
+		return true
+	}
+	if r.agents[a.agentID] != a {
+		return false
+	}
+	delete(r.agents, a.agentID)
+	r.rebuildLocked()
+	return true
+}
+
+// withdraw takes the routes of a, whose agent is shutting down, out of
+// every lookup, so new requests and connections go to other agents (or get
+// the no-agent answer), while a's dial addresses stay valid: a request that
+// picked a just before keeps its way to it, and the agent serves what is
+// open until it ends the session. A newer session of the same id then
+// registers without displacing a. It reports whether a was registered.
+func (r *registry) withdraw(a *agentSession) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.agents[a.agentID] != a {
 		return false
 	}
 	delete(r.agents, a.agentID)
+	r.leaving[a] = struct{}{}
+	a.leaving.Store(true)
 	r.rebuildLocked()
 	return true
 }
@@ -302,11 +333,17 @@ func (r *registry) rebuildLocked() {
 	for _, a := range r.agents {
 		agents = append(agents, a)
 	}
-	old := r.table.Swap(buildTable(agents))
+	leaving := make([]*agentSession, 0, len(r.leaving))
+	for a := range r.leaving {
+		leaving = append(leaving, a)
+	}
+	old := r.table.Swap(buildTable(agents, leaving))
 	close(old.replaced)
 }
 
-func buildTable(agents []*agentSession) *routeTable {
+// buildTable indexes the routes of agents; those of leaving sessions only by
+// dial address.
+func buildTable(agents, leaving []*agentSession) *routeTable {
 	slices.SortFunc(agents, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
 	t := &routeTable{
 		replaced: make(chan struct{}),
@@ -315,6 +352,11 @@ func buildTable(agents []*agentSession) *routeTable {
 		sniExact: map[string][]*routeEntry{},
 		byPort:   map[uint32][]*routeEntry{},
 		byName:   map[string][]*routeEntry{},
+	}
+	for _, a := range leaving {
+		for _, e := range a.routes {
+			t.byDial[e.dial] = e
+		}
 	}
 	for _, a := range agents {
 		for _, e := range a.routes {
@@ -399,12 +441,16 @@ func (t *routeTable) byDialAddress(addr string) *routeEntry {
 	return t.byDial[host]
 }
 
-// sessions returns the current agent sessions ordered by agent id.
+// sessions returns the agent sessions, leaving ones included, ordered by
+// agent id.
 func (r *registry) sessions() []*agentSession {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]*agentSession, 0, len(r.agents))
+	out := make([]*agentSession, 0, len(r.agents)+len(r.leaving))
 	for _, a := range r.agents {
+		out = append(out, a)
+	}
+	for a := range r.leaving {
 		out = append(out, a)
 	}
 	slices.SortFunc(out, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })

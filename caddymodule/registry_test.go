@@ -57,6 +57,48 @@ func TestRouteLookupOrder(t *testing.T) {
 	}
 }
 
+// A leaving session routes nothing new, keeps its dial addresses for the
+// requests that chose it already, and lets a newer session of its id in
+// without being displaced; its end unregisters it without touching that one.
+func TestWithdrawnSessionRoutesNothingNew(t *testing.T) {
+	r := newRegistry()
+	a := register(t, r, "a", &tunnelpb.Route{Host: "app.test"}, &tunnelpb.Route{Name: "redis", Target: "tcp://x:1"},
+		&tunnelpb.Route{Host: "db.test", TlsPassthrough: true, Target: "tcp://x:2"}, &tunnelpb.Route{ListenPort: 16379, Target: "tcp://x:3"})
+	register(t, r, "b", &tunnelpb.Route{Host: "app.test"})
+	dial := a.routes[0].dial
+	if !r.withdraw(a) || !a.leaving.Load() {
+		t.Fatal("withdraw of a registered session failed")
+	}
+	tab := r.table.Load()
+	if got := agentsOf(tab.lookupHTTP("app.test")); got != "b:app.test" {
+		t.Errorf("lookupHTTP = %s, want the other agent alone", got)
+	}
+	if len(tab.lookupName("redis")) != 0 || len(tab.lookupSNI("db.test")) != 0 || len(tab.byPort[16379]) != 0 {
+		t.Error("a withdrawn session's TCP routes are still routed")
+	}
+	if e := tab.byDialAddress(dial + ":80"); e == nil || e.agent != a {
+		t.Error("a withdrawn session's dial address no longer resolves")
+	}
+	if len(r.sessions()) != 2 {
+		t.Errorf("sessions() = %d, want the leaving one counted", len(r.sessions()))
+	}
+	if r.withdraw(a) {
+		t.Error("a second withdraw succeeded")
+	}
+
+	successor := register(t, r, "a", &tunnelpb.Route{Host: "app.test"})
+	if got := agentsOf(r.table.Load().lookupHTTP("app.test")); got != "a:app.test,b:app.test" {
+		t.Errorf("after a new session of the id: %s", got)
+	}
+	if !r.unregister(a) {
+		t.Error("the leaving session's end did not unregister it")
+	}
+	tab = r.table.Load()
+	if tab.byDialAddress(dial+":80") != nil || len(tab.lookupHTTP("app.test")) != 2 || tab.lookupHTTP("app.test")[0].agent != successor {
+		t.Errorf("after the leaving session ended: %s", agentsOf(tab.lookupHTTP("app.test")))
+	}
+}
+
 func TestDisplacedSessionDoesNotEvictItsSuccessor(t *testing.T) {
 	r := newRegistry()
 	old := register(t, r, "same", &tunnelpb.Route{Host: "app.test"})

@@ -5,9 +5,13 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"slices"
+	"sync"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -238,6 +242,7 @@ func (t *Transport) Cleanup() error {
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if di, ok := reverseproxy.GetDialInfo(req.Context()); ok {
 		if e := t.app.node.reg.table.Load().byDialAddress(di.Address); e != nil {
+			req = req.WithContext(httptrace.WithClientTrace(req.Context(), closeWhenIdle(e.agent)))
 			if h := e.route.GetRewriteHost(); h != "" {
 				req.Host = h
 			}
@@ -245,9 +250,55 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 				t.SetScheme(req)
 				return t.h1.RoundTrip(req)
 			}
+			res, err := t.HTTPTransport.RoundTrip(req)
+			if err == nil && res.ProtoMajor == 2 && res.StatusCode != http.StatusSwitchingProtocols {
+				res.Body = t.closeH2WhenDone(e.agent, res.Body)
+			}
+			return res, err
 		}
 	}
 	return t.HTTPTransport.RoundTrip(req)
+}
+
+// closeWhenIdle closes the request's HTTP/1.1 connection as it goes back
+// to the idle pool if the agent is leaving meanwhile (node.leave): nothing
+// will pick it again, and open it would keep the agent waiting until the
+// transport's idle timeout.
+func closeWhenIdle(a *agentSession) *httptrace.ClientTrace {
+	var conn atomic.Pointer[net.Conn]
+	return &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
+		PutIdleConn: func(err error) {
+			if c := conn.Load(); err == nil && c != nil && a.leaving.Load() {
+				_ = (*c).Close()
+			}
+		},
+	}
+}
+
+// closeH2WhenDone does for HTTP/2 upstream connections what closeWhenIdle
+// does for HTTP/1.1, which net/http's trace cannot: once the response of
+// a leaving agent is done, the transports close their idle connections,
+// this one among them.
+func (t *Transport) closeH2WhenDone(a *agentSession, body io.ReadCloser) io.ReadCloser {
+	return &h2Body{ReadCloser: body, done: func() {
+		if a.leaving.Load() {
+			t.closeIdleConnections()
+		}
+	}}
+}
+
+// h2Body runs done after its Close.
+type h2Body struct {
+	io.ReadCloser
+	once sync.Once
+	done func()
+}
+
+func (b *h2Body) Close() error {
+	err := b.ReadCloser.Close()
+	b.once.Do(b.done)
+	return err
 }
 
 // dial opens a virtual connection to the route the dial address names.

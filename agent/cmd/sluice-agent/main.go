@@ -53,28 +53,48 @@ func run(args []string) int {
 	}
 	defer logger.Sync() //nolint:errcheck // stderr
 
-	sigCtx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	// The agent stops only after "shutting down" is logged.
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() {
-		select {
-		case <-sigCtx.Done():
-			logger.Info("shutting down")
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sigs)
 
+	a, err := agent.New(cfg, logger)
+	if err != nil {
+		logger.Error("agent failed", zap.Error(err))
+		return 1
+	}
 	logger.Info("starting", zap.String("build", agent.BuildString()), zap.String("agent_id", cfg.ID),
 		zap.String("server", cfg.Server), zap.Int("upstreams", len(cfg.Upstreams)))
-	err = agent.Run(ctx, cfg, logger)
+	runDone := make(chan error, 1)
+	go func() { runDone <- a.Run(context.Background()) }()
+	select {
+	case err = <-runDone:
+	case <-sigs:
+		leave(a, sigs, cfg, logger)
+		err = <-runDone
+	}
 	if err != nil {
 		logger.Error("agent failed", zap.Error(err))
 		return 1
 	}
 	return 0
+}
+
+// leave stops the agent gracefully after a signal: the node routes it no
+// new connections, and the open ones may finish within the shutdown grace,
+// or until a second signal.
+func leave(a *agent.Agent, sigs <-chan os.Signal, cfg *agent.Config, logger *zap.Logger) {
+	logger.Info("shutting down", zap.String("grace", cfg.ShutdownGrace.String()))
+	grace, cutNow := context.WithTimeout(context.Background(), cfg.ShutdownGrace)
+	defer cutNow()
+	go func() {
+		select {
+		case <-sigs:
+			logger.Info("second signal: cutting the open connections now")
+			cutNow()
+		case <-grace.Done():
+		}
+	}()
+	_ = a.Leave(grace)
 }
 
 // newLogger logs human-readable lines to stderr, like Caddy's console logs.

@@ -1,0 +1,232 @@
+package integration
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/sluice-tunnel/sluice/agent"
+	"github.com/sluice-tunnel/sluice/internal/sampleupstream"
+)
+
+// TestAgentLeaves: a sluice-agent process told to stop (SIGTERM) leaves
+// gracefully. The node routes it nothing new, so requests move to the other
+// agent serving the host without one failing; what it has open finishes;
+// then it exits by itself, without waiting out its grace. The grace bounds
+// the wait, and a second signal ends it at once.
+func TestAgentLeaves(t *testing.T) {
+	bin := buildAgent(t)
+
+	t.Run("requests move to the other agent and the open ones finish", func(t *testing.T) {
+		c := startCaddy(t, siteAll)
+		a := startLeavingAgent(t, c, bin, "60s")
+		startAgent(t, c.serverURL(), "agent-b", agent.Upstream{Host: "app.test", Target: startUpstream(t, "b")})
+		const size = 64 << 20
+		dl := startDownload(t, c, size)
+		// agent-a serves first (agent ids in order), and this request, made
+		// while the download holds the first connection, leaves a second,
+		// idle one to it in Caddy's pool.
+		if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "Hello from a") {
+			t.Fatalf("before: %d %q", code, body)
+		}
+		a.signal(t, syscall.SIGTERM)
+		eventually(t, 10*time.Second, "new requests go to agent-b", func() bool {
+			code, body := get(t, c, "app.test", "/")
+			if code != 200 {
+				t.Fatalf("a request failed while agent-a was leaving: %d %q", code, body)
+			}
+			return strings.Contains(body, "Hello from b")
+		})
+		if a.exited() {
+			t.Fatalf("agent-a exited with a download open:\n%s", a.out.String())
+		}
+		dl.finish(t, size)
+
+		// Its grace is 60 s: exiting well before that means nothing held it,
+		// the idle pooled connections included.
+		a.wait(t, 20*time.Second)
+		a.mustLog(t, "left the node: every connection finished")
+		if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "Hello from b") {
+			t.Fatalf("after agent-a left: %d %q", code, body)
+		}
+	})
+
+	t.Run("the grace cuts what is left", func(t *testing.T) {
+		c := startCaddy(t, siteAll)
+		a := startLeavingAgent(t, c, bin, "1s")
+		dl := startDownload(t, c, 1<<30) // read no further: it cannot finish
+		a.signal(t, syscall.SIGTERM)
+		a.wait(t, 15*time.Second)
+		a.mustLog(t, "shutdown grace over")
+		dl.mustBreak(t)
+	})
+
+	t.Run("a second signal cuts at once", func(t *testing.T) {
+		c := startCaddy(t, siteAll)
+		a := startLeavingAgent(t, c, bin, "10m")
+		dl := startDownload(t, c, 1<<30)
+		a.signal(t, syscall.SIGTERM)
+		eventually(t, 10*time.Second, "agent-a is leaving", func() bool { return a.logged("leaving the node") })
+		a.signal(t, syscall.SIGINT)
+		a.wait(t, 15*time.Second)
+		a.mustLog(t, "second signal")
+		a.mustLog(t, "told to stop now")
+		dl.mustBreak(t)
+	})
+}
+
+// startLeavingAgent runs the sluice-agent binary as agent-a, serving
+// app.test from an upstream named "a", with the given shutdown grace, and
+// waits until app.test is served.
+func startLeavingAgent(t *testing.T, c *caddyServer, bin, grace string) *agentProcess {
+	t.Helper()
+	p := startAgentProcess(t, bin, "-server", c.serverURL(), "-token", testToken, "-id", "agent-a",
+		"-shutdown-grace", grace, "-upstream", "host=app.test,target="+startUpstream(t, "a"))
+	eventually(t, 10*time.Second, "agent-a serves app.test", func() bool {
+		code, _ := get(t, c, "app.test", "/")
+		return code == 200
+	})
+	return p
+}
+
+// agentProcess is a running sluice-agent binary.
+type agentProcess struct {
+	cmd  *exec.Cmd
+	out  *syncBuffer
+	done chan struct{}
+	err  error // the exit status, once done is closed
+}
+
+func startAgentProcess(t *testing.T, bin string, args ...string) *agentProcess {
+	t.Helper()
+	p := &agentProcess{cmd: exec.Command(bin, args...), out: new(syncBuffer), done: make(chan struct{})}
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.err = p.cmd.Wait(); close(p.done) }()
+	t.Cleanup(func() {
+		if !p.exited() {
+			p.cmd.Process.Kill()
+			<-p.done
+		}
+		if t.Failed() {
+			t.Logf("sluice-agent output:\n%s", p.out.String())
+		}
+	})
+	return p
+}
+
+func (p *agentProcess) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (p *agentProcess) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// wait waits (bounded) for the process to exit, and requires status 0.
+func (p *agentProcess) wait(t *testing.T, within time.Duration) {
+	t.Helper()
+	select {
+	case <-p.done:
+	case <-time.After(within):
+		t.Fatalf("sluice-agent still running %v later", within)
+	}
+	if p.err != nil {
+		t.Fatalf("sluice-agent exited with %v", p.err)
+	}
+}
+
+func (p *agentProcess) logged(s string) bool { return strings.Contains(p.out.String(), s) }
+
+func (p *agentProcess) mustLog(t *testing.T, s string) {
+	t.Helper()
+	if !p.logged(s) {
+		t.Fatalf("sluice-agent did not log %q", s)
+	}
+}
+
+// syncBuffer is a bytes.Buffer a process writes while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
+
+// download is a /download through Caddy whose first MiB was read.
+type download struct {
+	resp *http.Response
+	hash io.Writer
+	sum  func() []byte
+}
+
+func startDownload(t *testing.T, c *caddyServer, size int64) *download {
+	t.Helper()
+	req, _ := http.NewRequest("GET", c.url(fmt.Sprintf("/download?size=%d", size)), nil)
+	req.Host = "app.test"
+	resp, err := hostClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	if resp.StatusCode != 200 {
+		t.Fatalf("download: status %d", resp.StatusCode)
+	}
+	h := sha256.New()
+	if _, err := io.CopyN(h, resp.Body, 1<<20); err != nil {
+		t.Fatalf("download: first MiB: %v", err)
+	}
+	return &download{resp: resp, hash: h, sum: func() []byte { return h.Sum(nil) }}
+}
+
+// finish reads the rest and checks the whole body.
+func (d *download) finish(t *testing.T, size int64) {
+	t.Helper()
+	n, err := io.Copy(d.hash, d.resp.Body)
+	if err != nil || n+1<<20 != size {
+		t.Fatalf("download: %d of %d bytes, %v", n+1<<20, size, err)
+	}
+	want := sha256.New()
+	io.Copy(want, sampleupstream.Pattern(size))
+	if !bytes.Equal(d.sum(), want.Sum(nil)) {
+		t.Fatal("download: the body differs from the upstream's")
+	}
+}
+
+// mustBreak reads the rest, which must end in an error: the download was cut.
+func (d *download) mustBreak(t *testing.T) {
+	t.Helper()
+	n, err := io.Copy(io.Discard, d.resp.Body)
+	if err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("download read to its end (%d more bytes) instead of breaking", n)
+	}
+}
