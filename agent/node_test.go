@@ -159,6 +159,12 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 					go func() { // OnControl must not block
 						<-ready
 						sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: "node-1"}}})
+						// As the node does: end the session once no
+						// connection is left (bounded by the test).
+						for sess.NumConns() > 0 && ctx.Err() == nil {
+							time.Sleep(5 * time.Millisecond)
+						}
+						cancel()
 					}()
 				}
 			}

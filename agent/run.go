@@ -299,6 +299,21 @@ func (a *Agent) Run(ctx context.Context) error {
 	if !a.running.CompareAndSwap(false, true) {
 		return errors.New("agent: Run called twice")
 	}
+	// The end of a Leave's grace stops everything, as ctx does: the
+	// session, the upstream dials and relays under way.
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	go func() {
+		select {
+		case <-a.leaveCh:
+			select {
+			case <-a.leaveCtx.Done():
+				stop()
+			case <-ctx.Done():
+			}
+		case <-ctx.Done():
+		}
+	}()
 	defer func() {
 		a.markDisconnected(StateStopped)
 		if !a.conn.wait(shutdownWait) {
@@ -357,13 +372,16 @@ func (a *Agent) Run(ctx context.Context) error {
 //
 // Leave returns when Run has returned: nil, or ctx.Err() when the grace
 // ran out. A node older than this agent does not answer Drain, so the
-// agent then takes the whole grace. Leave before Run makes Run return at
-// once; only the first call's ctx counts.
+// agent then takes the whole grace. Leave before Run returns at once and
+// makes Run return at once; only the first call's ctx counts.
 func (a *Agent) Leave(ctx context.Context) error {
 	a.leaveOnce.Do(func() {
 		a.leaveCtx = ctx
 		close(a.leaveCh)
 	})
+	if !a.running.Load() {
+		return nil
+	}
 	select {
 	case <-a.stopped:
 		return nil
@@ -589,6 +607,23 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// Leaving before the node acknowledged: give up the attempt at once,
+	// also a dial still under way.
+	handshaken := make(chan struct{})
+	var handshakeOnce sync.Once
+	endHandshake := func() { handshakeOnce.Do(func() { close(handshaken) }) }
+	defer endHandshake()
+	go func() {
+		select {
+		case <-a.leaveCh:
+			select {
+			case <-handshaken:
+			default:
+				cancel()
+			}
+		case <-handshaken:
+		}
+	}()
 	sctx = metadata.AppendToOutgoingContext(sctx,
 		"authorization", "Bearer "+a.token(),
 		"x-sluice-id", a.cfg.ID)
@@ -674,6 +709,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	select {
 	case ack = <-acks:
 		ackTimer.Stop()
+		endHandshake()
 	case <-sess.Done():
 		ackTimer.Stop()
 		return sessionResult{err: reason(), drained: drained.Load()}
@@ -744,9 +780,16 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	for {
 		select {
 		case <-ctx.Done():
+			if lv != nil { // Run's context ends with the grace (Run)
+				lv.cut(sess)
+			}
 			return sessionResult{connected: true, err: ctx.Err()}
 		case <-sess.Done():
-			return sessionResult{connected: true, err: reason(), drained: drained.Load()}
+			err := reason()
+			if lv != nil {
+				lv.ended(err)
+			}
+			return sessionResult{connected: true, err: err, drained: drained.Load()}
 		case <-leaveC:
 			leaveC = nil
 			scheduleReadvertise(false)
@@ -758,17 +801,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 			}
 			routes.update(a.log, ack)
 			scheduleReadvertise(len(ack.GetRejected()) > 0)
-		case <-lv.idleC():
-			a.log.Info("left the node: every connection finished")
-			sess.CloseWithError(errLeft)
-			return sessionResult{connected: true, err: errLeft}
 		case <-lv.graceC():
-			why := "shutdown grace over"
-			if !errors.Is(a.leaveCtx.Err(), context.DeadlineExceeded) {
-				why = "told to stop now"
-			}
-			a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", a.conn.Active()))
-			sess.CloseWithError(errLeft)
+			lv.cut(sess)
 			return sessionResult{connected: true, err: errLeft}
 		case <-readvC:
 			readvTimer, readvC = nil, nil
@@ -794,11 +828,12 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 var errLeft = errors.New("agent shutting down")
 
 // leaving is the state of a session the agent is leaving: it sent Drain
-// and waits for the node's answer, then for its connections to finish.
+// and serves on until the node ends the session, which it does once no
+// connection is open nor being opened (only the node knows of the opens
+// it has under way), or until the grace is over.
 type leaving struct {
 	a         *Agent
-	withdrawn bool            // the node answered: nothing new will be routed here
-	idle      <-chan struct{} // set once withdrawn: closed when no connection is open
+	withdrawn bool // the node answered: nothing new will be routed here
 }
 
 // startLeaving sends the node Drain, with the grace Leave's ctx leaves.
@@ -806,7 +841,7 @@ func (a *Agent) startLeaving(sess *tunnelcore.Session) *leaving {
 	var grace time.Duration
 	graceText := "none (until told to stop)"
 	if dl, ok := a.leaveCtx.Deadline(); ok {
-		grace = max(time.Until(dl), 0)
+		grace = max(time.Until(dl), time.Millisecond)
 		graceText = grace.Round(time.Millisecond).String()
 	}
 	a.log.Info("leaving the node: no new connections; waiting for the open ones to finish",
@@ -826,18 +861,30 @@ func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
 		return
 	}
 	l.withdrawn = true
-	l.idle = l.a.conn.whenIdle()
 	l.a.log.Debug("node withdrew the routes", zap.Int("connections", l.a.conn.Active()))
 }
 
-// idleC and graceC are nil (never ready) until their time comes.
-func (l *leaving) idleC() <-chan struct{} {
-	if l == nil {
-		return nil
+// ended logs the end of the session, which the node ends without an error
+// status once no connection is left.
+func (l *leaving) ended(err error) {
+	if code, msg := statusOf(err); l.withdrawn && (code == codes.OK || code == codes.Unknown) {
+		l.a.log.Info("left the node: every connection finished")
+	} else {
+		l.a.log.Warn("session ended while leaving", zap.String("reason", msg), zap.String("code", code.String()))
 	}
-	return l.idle
 }
 
+// cut ends the session when the grace is over, or on a second signal.
+func (l *leaving) cut(sess *tunnelcore.Session) {
+	why := "shutdown grace over"
+	if !errors.Is(l.a.leaveCtx.Err(), context.DeadlineExceeded) {
+		why = "told to stop now"
+	}
+	l.a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", l.a.conn.Active()))
+	sess.CloseWithError(errLeft)
+}
+
+// graceC is nil (never ready) until the agent leaves.
 func (l *leaving) graceC() <-chan struct{} {
 	if l == nil {
 		return nil

@@ -161,7 +161,15 @@ const slotReclaimWait = 250 * time.Millisecond
 // reason to refuse a client. With nothing closing, or as many callers
 // already waiting as slots coming back, it returns tunnelcore.ErrConnLimit
 // at once; otherwise a refusal comes at most slotReclaimWait later.
-func (n *node) open(ctx context.Context, sess *tunnelcore.Session, info tunnelcore.ConnectInfo) (*tunnelcore.Conn, error) {
+//
+// A session whose agent is leaving takes connections until the node ends
+// it (endWhenIdle); after that starts, open fails with errAgentLeft.
+func (n *node) open(ctx context.Context, a *agentSession, info tunnelcore.ConnectInfo) (*tunnelcore.Conn, error) {
+	if !a.startOpen() {
+		return nil, errAgentLeft
+	}
+	defer a.opening.Add(-1)
+	sess := a.sess
 	c, err := sess.Open(info)
 	if !errors.Is(err, tunnelcore.ErrConnLimit) {
 		return c, err

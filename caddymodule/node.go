@@ -399,6 +399,8 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		return status.Errorf(codes.Aborted, "%v (agent id %q)", errReplaced, a.agentID)
 	case errors.Is(sess.Err(), errTokenChanged):
 		return status.Error(codes.Unauthenticated, errTokenChanged.Error())
+	case errors.Is(sess.Err(), errLeaveGraceOver):
+		return status.Error(codes.DeadlineExceeded, errLeaveGraceOver.Error())
 	}
 	return nil
 }
@@ -503,13 +505,91 @@ func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 	if !withdrawn {
 		return
 	}
+	grace := time.Duration(d.GetGraceMs()) * time.Millisecond
 	if ok, suppressed := n.sessionLog.Allow(); ok {
 		n.log().Info("agent leaving; its routes take no new connections", zap.String("agent", a.agentID),
 			zap.String("reason", truncate(d.GetReason(), maxLoggedMessage)), zap.Int("open_connections", a.sess.NumConns()),
-			zap.Duration("grace", time.Duration(d.GetGraceMs())*time.Millisecond), zap.Int("suppressed_since_last", suppressed))
+			zap.Duration("grace", grace), zap.Int("suppressed_since_last", suppressed))
 	}
-	// Off the session's receive loop: closing a connection sends frames.
-	go n.closeIdleConns()
+	if a.requests.Load() == 0 {
+		// Every pooled HTTP connection to the agent is idle. Off the
+		// session's receive loop: closing a connection sends frames.
+		go n.closeIdleConns()
+	}
+	go n.endWhenIdle(a, grace)
+}
+
+// errAgentLeft ends the session of an agent that left (Drain), and fails
+// an open on it once it is being ended: a retryable 503 for HTTP.
+// errLeaveGraceOver ends one whose connections outlived its grace.
+var (
+	errAgentLeft      = errors.New("the agent left (shutting down)")
+	errLeaveGraceOver = errors.New("the leaving agent's connections outlived its grace")
+)
+
+const (
+	// leavePoll is how often the node checks whether a leaving session
+	// has no connection left.
+	leavePoll = 25 * time.Millisecond
+	// leaveMargin is how long past the grace its agent announced the node
+	// waits before it ends a leaving session itself.
+	leaveMargin = 5 * time.Second
+)
+
+// endWhenIdle ends a leaving session once it has no connection open nor
+// being opened. The node decides, not the agent: only the node knows of the
+// opens it has under way (a request that chose the agent just before its
+// routes were withdrawn). An agent that outlives its announced grace (grace_ms,
+// 0: none) by leaveMargin is ended too.
+func (n *node) endWhenIdle(a *agentSession, grace time.Duration) {
+	var over <-chan time.Time
+	if grace > 0 {
+		t := time.NewTimer(grace + leaveMargin)
+		defer t.Stop()
+		over = t.C
+	}
+	tick := time.NewTicker(leavePoll)
+	defer tick.Stop()
+	for !a.endIfIdle() {
+		select {
+		case <-a.sess.Done():
+			return
+		case <-over:
+			n.log().Warn("leaving agent still has connections past its grace; ending its session",
+				zap.String("agent", a.agentID), zap.Int("open_connections", a.sess.NumConns()), zap.Duration("grace", grace))
+			a.endMu.Lock()
+			a.ended = true
+			a.endMu.Unlock()
+			a.sess.CloseWithError(errLeaveGraceOver)
+			return
+		case <-tick.C:
+		}
+	}
+	a.sess.CloseWithError(errAgentLeft)
+}
+
+// endIfIdle marks a session ended if no connection is open on it or being
+// opened, and reports whether it did.
+func (a *agentSession) endIfIdle() bool {
+	a.endMu.Lock()
+	defer a.endMu.Unlock()
+	if a.opening.Load() == 0 && a.sess.NumConns() == 0 {
+		a.ended = true
+	}
+	return a.ended
+}
+
+// startOpen counts an open on a, unless a is being ended; the caller
+// decrements opening when its open returned (the connection, if any, is
+// then counted by the session).
+func (a *agentSession) startOpen() bool {
+	a.endMu.Lock()
+	defer a.endMu.Unlock()
+	if a.ended {
+		return false
+	}
+	a.opening.Add(1)
+	return true
 }
 
 // names lists the route names for a log line: the first maxLoggedRoutes,
@@ -654,11 +734,10 @@ func (n *node) admitStream(remote string, opts *nodeOptions) (func(), error) {
 }
 
 // admitSession counts a session against max_sessions (and per address). An
-// agent replacing its own session is always admitted.
+// agent replacing its own session, or succeeding one that is leaving, is
+// always admitted.
 func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), error) {
-	n.reg.mu.Lock()
-	_, replacing := n.reg.agents[agentID]
-	n.reg.mu.Unlock()
+	replacing := n.reg.knows(agentID)
 	limit, perAddr := opts.maxSessions, opts.maxSessionsPerAddr
 	if replacing {
 		limit, perAddr = 0, 0

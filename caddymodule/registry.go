@@ -44,6 +44,15 @@ type agentSession struct {
 	// leaving is set when the agent sent Drain: it is shutting down, and
 	// its routes take no new requests (registry.withdraw).
 	leaving atomic.Bool
+	// opening counts node.open calls in progress (startOpen); ended is
+	// set, under endMu, once a leaving session was found idle and is being
+	// ended (endIfIdle): no open starts after that.
+	endMu   sync.Mutex
+	ended   bool
+	opening atomic.Int32
+	// requests counts the requests of the sluice transport in flight on
+	// the session, from RoundTrip to the response body's Close.
+	requests atomic.Int64
 }
 
 // routeEntry is one route of one agent session.
@@ -439,6 +448,22 @@ func (t *routeTable) byDialAddress(addr string) *routeEntry {
 		host = addr[:i]
 	}
 	return t.byDial[host]
+}
+
+// knows reports whether agentID has a session, registered or leaving: a
+// new session of the id is its successor (a restart, a rolling update).
+func (r *registry) knows(agentID string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.agents[agentID]; ok {
+		return true
+	}
+	for a := range r.leaving {
+		if a.agentID == agentID {
+			return true
+		}
+	}
+	return false
 }
 
 // sessions returns the agent sessions, leaving ones included, ordered by

@@ -79,7 +79,7 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		LocalAddr:  client.LocalAddr().String(),
 		ServerName: serverName,
 	}
-	up, err := n.open(context.Background(), e.agent.sess, info)
+	up, err := n.open(context.Background(), e.agent, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
 		n.refuseTCP(client, "max_connections")
 		return ErrLimit

@@ -238,64 +238,75 @@ func (t *Transport) Cleanup() error {
 }
 
 // RoundTrip rewrites the Host for routes that ask for it, then proxies,
-// over HTTP/1.1 for force_http1 routes.
+// over HTTP/1.1 for force_http1 routes. It counts the requests in flight on
+// each agent session, for an agent that leaves (node.leave).
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if di, ok := reverseproxy.GetDialInfo(req.Context()); ok {
-		if e := t.app.node.reg.table.Load().byDialAddress(di.Address); e != nil {
-			req = req.WithContext(httptrace.WithClientTrace(req.Context(), closeWhenIdle(e.agent)))
-			if h := e.route.GetRewriteHost(); h != "" {
-				req.Host = h
-			}
-			if e.route.GetForceHttp1() && t.h1 != nil {
-				t.SetScheme(req)
-				return t.h1.RoundTrip(req)
-			}
-			res, err := t.HTTPTransport.RoundTrip(req)
-			if err == nil && res.ProtoMajor == 2 && res.StatusCode != http.StatusSwitchingProtocols {
-				res.Body = t.closeH2WhenDone(e.agent, res.Body)
-			}
-			return res, err
-		}
+	di, ok := reverseproxy.GetDialInfo(req.Context())
+	if !ok {
+		return t.HTTPTransport.RoundTrip(req)
 	}
-	return t.HTTPTransport.RoundTrip(req)
+	e := t.app.node.reg.table.Load().byDialAddress(di.Address)
+	if e == nil {
+		return t.HTTPTransport.RoundTrip(req)
+	}
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), closeWhenIdle(e.agent)))
+	if h := e.route.GetRewriteHost(); h != "" {
+		req.Host = h
+	}
+	rt := http.RoundTripper(&t.HTTPTransport)
+	if e.route.GetForceHttp1() && t.h1 != nil {
+		t.SetScheme(req)
+		rt = t.h1
+	}
+	e.agent.requests.Add(1)
+	res, err := rt.RoundTrip(req)
+	if err != nil || res.StatusCode == http.StatusSwitchingProtocols {
+		// An upgraded connection is never pooled; its body must stay the
+		// connection (reverse_proxy asserts io.ReadWriteCloser).
+		t.requestDone(e.agent)
+		return res, err
+	}
+	res.Body = &countedBody{ReadCloser: res.Body, done: func() { t.requestDone(e.agent) }}
+	return res, nil
+}
+
+// requestDone ends a request of a; the last one of a leaving agent has the
+// transports close their idle connections, which then include every
+// HTTP/2 connection to it (net/http reports none of them going idle, as
+// closeWhenIdle needs).
+func (t *Transport) requestDone(a *agentSession) {
+	if a.requests.Add(-1) == 0 && a.leaving.Load() {
+		go t.app.node.closeIdleConns()
+	}
 }
 
 // closeWhenIdle closes the request's HTTP/1.1 connection as it goes back
-// to the idle pool if the agent is leaving meanwhile (node.leave): nothing
-// will pick it again, and open it would keep the agent waiting until the
-// transport's idle timeout.
+// to the idle pool, if the agent is leaving meanwhile (node.leave) and no
+// request of it is in flight (one could have been handed this connection
+// straight away): nothing will pick it again, and open it would keep the
+// agent's session until the transport's idle timeout. net/http may put the
+// connection back after the last request's body was closed, so after
+// requestDone's sweep.
 func closeWhenIdle(a *agentSession) *httptrace.ClientTrace {
 	var conn atomic.Pointer[net.Conn]
 	return &httptrace.ClientTrace{
 		GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
 		PutIdleConn: func(err error) {
-			if c := conn.Load(); err == nil && c != nil && a.leaving.Load() {
+			if c := conn.Load(); err == nil && c != nil && a.leaving.Load() && a.requests.Load() == 0 {
 				_ = (*c).Close()
 			}
 		},
 	}
 }
 
-// closeH2WhenDone does for HTTP/2 upstream connections what closeWhenIdle
-// does for HTTP/1.1, which net/http's trace cannot: once the response of
-// a leaving agent is done, the transports close their idle connections,
-// this one among them.
-func (t *Transport) closeH2WhenDone(a *agentSession, body io.ReadCloser) io.ReadCloser {
-	return &h2Body{ReadCloser: body, done: func() {
-		if a.leaving.Load() {
-			t.closeIdleConnections()
-		}
-	}}
-}
-
-// h2Body runs done after its Close.
-type h2Body struct {
+// countedBody runs done once, after its Close.
+type countedBody struct {
 	io.ReadCloser
 	once sync.Once
 	done func()
 }
 
-func (b *h2Body) Close() error {
+func (b *countedBody) Close() error {
 	err := b.ReadCloser.Close()
 	b.once.Do(b.done)
 	return err
@@ -319,7 +330,7 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 			info.ServerName = r.TLS.ServerName
 		}
 	}
-	conn, err := t.app.node.open(ctx, e.agent.sess, info)
+	conn, err := t.app.node.open(ctx, e.agent, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
 		t.app.node.logLimit("http", "max_connections", info.RemoteAddr)
 		if x, ok := ctx.Value(exchangeKey{}).(*exchange); ok {

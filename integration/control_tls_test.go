@@ -110,7 +110,7 @@ func TestTLSControlPlaneReload(t *testing.T) {
 	if a.Sessions() != sessions || a.State() != agent.StateConnected {
 		t.Fatalf("the certificate reload reconnected the agent: sessions %d→%d, state %v", sessions, a.Sessions(), a.State())
 	}
-	if code, body := get(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "tls-app") {
+	if code, body := getAfterReload(t, c, "app.test", "/"); code != 200 || !strings.Contains(body, "tls-app") {
 		t.Fatalf("GET after the certificate reload: %d %q", code, body)
 	}
 

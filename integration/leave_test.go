@@ -60,6 +60,17 @@ func TestAgentLeaves(t *testing.T) {
 		}
 	})
 
+	t.Run("idle pooled connections do not hold it", func(t *testing.T) {
+		c := startCaddy(t, siteAll)
+		a := startLeavingAgent(t, c, bin, "60s") // its GETs leave idle connections in Caddy's pool
+		a.signal(t, syscall.SIGTERM)
+		a.wait(t, 20*time.Second)
+		a.mustLog(t, "left the node: every connection finished")
+		if code, _ := get(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
+			t.Fatalf("after the only agent left: %d, want 503", code)
+		}
+	})
+
 	t.Run("the grace cuts what is left", func(t *testing.T) {
 		c := startCaddy(t, siteAll)
 		a := startLeavingAgent(t, c, bin, "1s")

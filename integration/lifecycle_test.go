@@ -292,7 +292,7 @@ func TestTokenChangeEndsSessionsOfTheOldToken(t *testing.T) {
 	eventually(t, 10*time.Second, "the old token's agent told it is no longer authenticated", func() bool {
 		return logs.FilterMessage("authentication failed; retrying").Len() > 0
 	})
-	if code, _ := get(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
+	if code, _ := getAfterReload(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
 		t.Fatalf("with only an old-token agent: %d, want 503", code)
 	}
 	a, _ := launchAgentLogged(t, c.serverURL(), "agent-new", rotated, nil, false, agent.Upstream{Host: "app.test", Target: up})

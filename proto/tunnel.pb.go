@@ -1071,9 +1071,8 @@ func (x *MembershipUpdate) GetNodes() []*Node {
 // Drain, from the node, tells the agent the node is shutting down: open no
 // new work, let the open connections finish within grace_ms, then reconnect
 // with backoff. From the agent, it says the agent is shutting down: the
-// node withdraws its routes and answers with an AdvertiseAck listing none;
-// the agent ends the session once its connections finished or grace_ms
-// passed (proto/README.md §13).
+// node withdraws its routes, answers with an AdvertiseAck listing none, and
+// ends the session once no connection is open on it (proto/README.md §13).
 type Drain struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	GraceMs       uint32                 `protobuf:"varint,1,opt,name=grace_ms,json=graceMs,proto3" json:"grace_ms,omitempty"`
