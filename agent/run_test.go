@@ -365,18 +365,7 @@ func TestCancelStopsRunWithOpenConnection(t *testing.T) {
 	node := newFakeNode(t, "secret", nodeOptions{})
 	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + echo}))
 	ns := node.next(t)
-	c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "echo"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := c.Write([]byte("ping")); err != nil {
-		t.Fatal(err)
-	}
-	buf := make([]byte, 4)
-	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "ping" {
-		t.Fatalf("echo %q %v", buf, err)
-	}
+	echoOnce(t, ns.sess)
 	if n := ag.ActiveConns(); n != 1 {
 		t.Fatalf("active %d", n)
 	}
