@@ -1,11 +1,13 @@
 package integration
 
 import (
+	"bufio"
 	"bytes"
 	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os/exec"
 	"strings"
@@ -69,6 +71,57 @@ func TestAgentLeaves(t *testing.T) {
 		if code, _ := get(t, c, "app.test", "/"); code != http.StatusServiceUnavailable {
 			t.Fatalf("after the only agent left: %d, want 503", code)
 		}
+	})
+
+	t.Run("HTTP/2 upstream connections do not hold it", func(t *testing.T) {
+		c := startCaddy(t, `http://:{HTTP} {
+	sluice {
+		transport sluice {
+			versions h2c
+		}
+	}
+}`)
+		a := startLeavingAgent(t, c, bin, "60s")
+		const size = 16 << 20
+		dl := startDownload(t, c, size)
+		a.signal(t, syscall.SIGTERM)
+		eventually(t, 10*time.Second, "agent-a is leaving", func() bool { return a.logged("leaving the node") })
+		dl.finish(t, size)
+		// The upstream connection, an h2c one, went idle with the download.
+		a.wait(t, 20*time.Second)
+		a.mustLog(t, "left the node: every connection finished")
+	})
+
+	t.Run("a claimed port passes to the other agent and its open connection finishes", func(t *testing.T) {
+		port := freePort(t)
+		c := startCaddyWith(t, caddyOptions{Global: portRangeGlobal(port, port)}, "")
+		addr := loopback(port)
+		a := startAgentProcess(t, bin, "-server", c.serverURL(), "-token", testToken, "-id", "agent-a",
+			"-shutdown-grace", "60s", "-upstream", fmt.Sprintf("listen_port=%d,target=%s", port, tcpTarget(serveTCP(t, greetEchoHandler("a")))))
+		eventually(t, 10*time.Second, "agent-a serves the port", func() bool { g, _ := greeting(addr); return g == "a" })
+		startAgent(t, c.serverURL(), "agent-b", agent.Upstream{ListenPort: port, Target: tcpTarget(serveTCP(t, greetEchoHandler("b")))})
+
+		open, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer open.Close()
+		open.SetDeadline(time.Now().Add(30 * time.Second))
+		r := bufio.NewReader(open)
+		if line, err := r.ReadString('\n'); err != nil || line != "a\n" {
+			t.Fatalf("greeting %q %v", line, err)
+		}
+		a.signal(t, syscall.SIGTERM)
+		eventually(t, 10*time.Second, "new connections reach agent-b", func() bool { g, _ := greeting(addr); return g == "b" })
+		if _, err := open.Write([]byte("still here")); err != nil {
+			t.Fatal(err)
+		}
+		open.(*net.TCPConn).CloseWrite()
+		if rest, err := io.ReadAll(r); err != nil || string(rest) != "still here" {
+			t.Fatalf("the open connection through agent-a: %q %v", rest, err)
+		}
+		a.wait(t, 20*time.Second)
+		a.mustLog(t, "left the node: every connection finished")
 	})
 
 	t.Run("the grace cuts what is left", func(t *testing.T) {
