@@ -648,7 +648,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		case *tunnelpb.Frame_Drain:
 			if drained.CompareAndSwap(false, true) {
 				grace := time.Duration(k.Drain.GetGraceMs()) * time.Millisecond
-				a.log.Info("node draining", zap.String("reason", k.Drain.GetReason()), zap.Duration("grace", grace))
+				a.log.Info("node draining", zap.String("reason", k.Drain.GetReason()), zap.String("grace", grace.String()))
 				drainCh <- grace
 			}
 		case *tunnelpb.Frame_MembershipUpdate:
@@ -867,9 +867,14 @@ func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
 // ended logs the end of the session, which the node ends without an error
 // status once no connection is left.
 func (l *leaving) ended(err error) {
-	if code, msg := statusOf(err); l.withdrawn && (code == codes.OK || code == codes.Unknown) {
+	code, msg := statusOf(err)
+	clean := code == codes.OK || code == codes.Unknown
+	switch {
+	case clean && l.withdrawn:
 		l.a.log.Info("left the node: every connection finished")
-	} else {
+	case clean: // the node ended it otherwise (it shut down, say)
+		l.a.log.Info("session ended while leaving", zap.String("reason", msg))
+	default:
 		l.a.log.Warn("session ended while leaving", zap.String("reason", msg), zap.String("code", code.String()))
 	}
 }
