@@ -365,10 +365,11 @@ func (a *Agent) Run(ctx context.Context) error {
 // Leave stops the agent gracefully, as sluice-agent does on SIGINT or
 // SIGTERM. The agent sends the node Drain: the node routes no new
 // connections to it (other agents serving the same hosts take them, as
-// when it is gone) and closes the idle pooled connections it holds to it.
-// The connections open go on; once the node has answered and none is left,
-// the agent ends the session and Run returns nil. If ctx is done first
-// (the grace is over), the connections still open are cut.
+// when it is gone), closes its idle pooled HTTP connections to it, and ends
+// the session once no connection is open on it; Run then returns nil. The
+// agent serves on until then. If ctx is done first (the grace is over, or
+// the caller cancelled it), Run's context ends: the connections still open
+// are cut, the upstream dials under way given up.
 //
 // Leave returns when Run has returned: nil, or ctx.Err() when the grace
 // ran out. A node older than this agent does not answer Drain, so the
@@ -787,7 +788,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		case <-sess.Done():
 			err := reason()
 			if lv != nil {
-				lv.ended(err)
+				lv.ended(err, drained.Load())
 			}
 			return sessionResult{connected: true, err: err, drained: drained.Load()}
 		case <-leaveC:
@@ -864,13 +865,14 @@ func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
 	l.a.log.Debug("node withdrew the routes", zap.Int("connections", l.a.conn.Active()))
 }
 
-// ended logs the end of the session, which the node ends without an error
-// status once no connection is left.
-func (l *leaving) ended(err error) {
+// ended logs the end of the session. The node ends it without an error
+// status once no connection is left, having answered the Drain, and
+// without draining itself (a node shutting down ends sessions that way too).
+func (l *leaving) ended(err error, nodeDrained bool) {
 	code, msg := statusOf(err)
 	clean := code == codes.OK || code == codes.Unknown
 	switch {
-	case clean && l.withdrawn:
+	case clean && l.withdrawn && !nodeDrained:
 		l.a.log.Info("left the node: every connection finished")
 	case clean: // the node ended it otherwise (it shut down, say)
 		l.a.log.Info("session ended while leaving", zap.String("reason", msg))

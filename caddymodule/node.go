@@ -511,12 +511,28 @@ func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 			zap.String("reason", truncate(d.GetReason(), maxLoggedMessage)), zap.Int("open_connections", a.sess.NumConns()),
 			zap.Duration("grace", grace), zap.Int("suppressed_since_last", suppressed))
 	}
-	if a.requests.Load() == 0 {
-		// Every pooled HTTP connection to the agent is idle. Off the
-		// session's receive loop: closing a connection sends frames.
-		go n.closeIdleConns()
+	if grace <= 0 || grace > maxLeaveGrace {
+		grace = maxLeaveGrace
 	}
+	// Off the session's receive loop: closing a connection sends frames.
+	go a.closeIdleHTTP()
 	go n.endWhenIdle(a, grace)
+}
+
+// closeIdleHTTP closes the pooled HTTP connections of a leaving session
+// when none of its requests is in flight: they are all idle then, nothing
+// will pick them again, and open they would hold the session until the
+// transport's idle timeout. Upgraded connections and TCP relays are left
+// to finish.
+func (a *agentSession) closeIdleHTTP() {
+	if a.requests.Load() != 0 {
+		return
+	}
+	for _, c := range a.sess.Conns() {
+		if h, ok := c.Info().Tag.(*httpConn); ok && !h.upgraded.Load() {
+			_ = c.Close()
+		}
+	}
 }
 
 // errAgentLeft ends the session of an agent that left (Drain), and fails
@@ -531,30 +547,39 @@ const (
 	// leavePoll is how often the node checks whether a leaving session
 	// has no connection left.
 	leavePoll = 25 * time.Millisecond
+	// leaveSweep is how often it closes the session's idle pooled HTTP
+	// connections again: net/http may pool one with no request to tell
+	// (a connection dialed for a request that took another).
+	leaveSweep = time.Second
 	// leaveMargin is how long past the grace its agent announced the node
 	// waits before it ends a leaving session itself.
 	leaveMargin = 5 * time.Second
+	// maxLeaveGrace caps that grace (0, from the agent, is none): a
+	// leaving session must end, as its id's successor is admitted past
+	// max_sessions.
+	maxLeaveGrace = time.Hour
 )
 
 // endWhenIdle ends a leaving session once it has no connection open nor
 // being opened. The node decides, not the agent: only the node knows of the
 // opens it has under way (a request that chose the agent just before its
-// routes were withdrawn). An agent that outlives its announced grace (grace_ms,
-// 0: none) by leaveMargin is ended too.
+// routes were withdrawn). An agent that outlives its announced grace (at
+// most maxLeaveGrace) by leaveMargin is ended too.
 func (n *node) endWhenIdle(a *agentSession, grace time.Duration) {
-	var over <-chan time.Time
-	if grace > 0 {
-		t := time.NewTimer(grace + leaveMargin)
-		defer t.Stop()
-		over = t.C
-	}
+	over := time.NewTimer(grace + leaveMargin)
+	defer over.Stop()
 	tick := time.NewTicker(leavePoll)
 	defer tick.Stop()
+	lastSweep := time.Now()
 	for !a.endIfIdle() {
+		if time.Since(lastSweep) >= leaveSweep {
+			a.closeIdleHTTP()
+			lastSweep = time.Now()
+		}
 		select {
 		case <-a.sess.Done():
 			return
-		case <-over:
+		case <-over.C:
 			n.log().Warn("leaving agent still has connections past its grace; ending its session",
 				zap.String("agent", a.agentID), zap.Int("open_connections", a.sess.NumConns()), zap.Duration("grace", grace))
 			a.endMu.Lock()
@@ -737,7 +762,7 @@ func (n *node) admitStream(remote string, opts *nodeOptions) (func(), error) {
 // agent replacing its own session, or succeeding one that is leaving, is
 // always admitted.
 func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), error) {
-	replacing := n.reg.knows(agentID)
+	replacing := n.reg.succeeds(agentID)
 	limit, perAddr := opts.maxSessions, opts.maxSessionsPerAddr
 	if replacing {
 		limit, perAddr = 0, 0

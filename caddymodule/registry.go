@@ -450,20 +450,23 @@ func (t *routeTable) byDialAddress(addr string) *routeEntry {
 	return t.byDial[host]
 }
 
-// knows reports whether agentID has a session, registered or leaving: a
-// new session of the id is its successor (a restart, a rolling update).
-func (r *registry) knows(agentID string) bool {
+// succeeds reports whether a new session of agentID replaces one: the
+// id's registered session, or else its one leaving session (a restart, a
+// rolling update). A second leaving session of the id does not count, so
+// leaving and coming back cannot pile sessions up past max_sessions.
+func (r *registry) succeeds(agentID string) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, ok := r.agents[agentID]; ok {
 		return true
 	}
+	n := 0
 	for a := range r.leaving {
 		if a.agentID == agentID {
-			return true
+			n++
 		}
 	}
-	return false
+	return n == 1
 }
 
 // sessions returns the agent sessions, leaving ones included, ordered by

@@ -249,7 +249,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if e == nil {
 		return t.HTTPTransport.RoundTrip(req)
 	}
-	req = req.WithContext(httptrace.WithClientTrace(req.Context(), closeWhenIdle(e.agent)))
+	var conn atomic.Pointer[net.Conn]
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
+	}))
 	if h := e.route.GetRewriteHost(); h != "" {
 		req.Host = h
 	}
@@ -261,8 +264,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	e.agent.requests.Add(1)
 	res, err := rt.RoundTrip(req)
 	if err != nil || res.StatusCode == http.StatusSwitchingProtocols {
-		// An upgraded connection is never pooled; its body must stay the
-		// connection (reverse_proxy asserts io.ReadWriteCloser).
+		// An upgraded connection is never pooled, and not idle when no
+		// request is in flight; its body must stay the connection
+		// (reverse_proxy asserts io.ReadWriteCloser).
+		if err == nil {
+			markUpgraded(conn.Load())
+		}
 		t.requestDone(e.agent)
 		return res, err
 	}
@@ -270,32 +277,38 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return res, nil
 }
 
-// requestDone ends a request of a; the last one of a leaving agent has the
-// transports close their idle connections, which then include every
-// HTTP/2 connection to it (net/http reports none of them going idle, as
-// closeWhenIdle needs).
+// requestDone ends a request of a; after the last one of a leaving agent,
+// its pooled HTTP connections are all idle and closed.
 func (t *Transport) requestDone(a *agentSession) {
 	if a.requests.Add(-1) == 0 && a.leaving.Load() {
-		go t.app.node.closeIdleConns()
+		go a.closeIdleHTTP()
 	}
 }
 
-// closeWhenIdle closes the request's HTTP/1.1 connection as it goes back
-// to the idle pool, if the agent is leaving meanwhile (node.leave) and no
-// request of it is in flight (one could have been handed this connection
-// straight away): nothing will pick it again, and open it would keep the
-// agent's session until the transport's idle timeout. net/http may put the
-// connection back after the last request's body was closed, so after
-// requestDone's sweep.
-func closeWhenIdle(a *agentSession) *httptrace.ClientTrace {
-	var conn atomic.Pointer[net.Conn]
-	return &httptrace.ClientTrace{
-		GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
-		PutIdleConn: func(err error) {
-			if c := conn.Load(); err == nil && c != nil && a.leaving.Load() && a.requests.Load() == 0 {
-				_ = (*c).Close()
+// httpConn tags the virtual connections the sluice transport dials
+// (tunnelcore.ConnectInfo.Tag), so that those of a leaving agent can be
+// closed once idle (agentSession.closeIdleHTTP).
+type httpConn struct {
+	upgraded atomic.Bool // a 101 made it a WebSocket (or other) tunnel
+}
+
+// markUpgraded tags the connection a 101 response came on as upgraded.
+func markUpgraded(c *net.Conn) {
+	if c == nil {
+		return
+	}
+	for nc := *c; nc != nil; {
+		switch x := nc.(type) {
+		case *tunnelcore.Conn:
+			if h, ok := x.Info().Tag.(*httpConn); ok {
+				h.upgraded.Store(true)
 			}
-		},
+			return
+		case interface{ NetConn() net.Conn }: // *tls.Conn
+			nc = x.NetConn()
+		default:
+			return
+		}
 	}
 }
 
@@ -323,7 +336,7 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 	if e == nil {
 		return nil, unavailable(fmt.Errorf("sluice: no agent session for %s (agent disconnected)", target))
 	}
-	info := tunnelcore.ConnectInfo{RouteKey: routeName(e.route)}
+	info := tunnelcore.ConnectInfo{RouteKey: routeName(e.route), Tag: new(httpConn)}
 	if r, ok := ctx.Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
 		info.RemoteAddr = r.RemoteAddr
 		if r.TLS != nil {

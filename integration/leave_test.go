@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/coder/websocket"
+
 	"github.com/sluice-tunnel/sluice/agent"
 	"github.com/sluice-tunnel/sluice/internal/sampleupstream"
 )
@@ -88,6 +90,30 @@ func TestAgentLeaves(t *testing.T) {
 		eventually(t, 10*time.Second, "agent-a is leaving", func() bool { return a.logged("leaving the node") })
 		dl.finish(t, size)
 		// The upstream connection, an h2c one, went idle with the download.
+		a.wait(t, 20*time.Second)
+		a.mustLog(t, "left the node: every connection finished")
+	})
+
+	t.Run("a WebSocket runs on until it closes", func(t *testing.T) {
+		c := startCaddy(t, siteAll)
+		a := startLeavingAgent(t, c, bin, "60s") // its GETs leave idle pooled connections too
+		ws := dialWS(t, c, "app.test")
+		defer ws.CloseNow()
+		echoWS(t, ws, 10)
+		a.signal(t, syscall.SIGTERM)
+		eventually(t, 10*time.Second, "agent-a's routes withdrawn", func() bool {
+			code, _ := get(t, c, "app.test", "/")
+			return code == http.StatusServiceUnavailable
+		})
+		// The node closes the idle pooled connections at once and then
+		// once a second: the WebSocket's must survive two of its sweeps.
+		for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
+			echoWS(t, ws, 10)
+		}
+		if a.exited() {
+			t.Fatalf("agent-a exited with a WebSocket open:\n%s", a.out.String())
+		}
+		ws.Close(websocket.StatusNormalClosure, "")
 		a.wait(t, 20*time.Second)
 		a.mustLog(t, "left the node: every connection finished")
 	})

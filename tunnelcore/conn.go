@@ -25,6 +25,9 @@ type ConnectInfo struct {
 	LocalAddr string
 	// ServerName is the TLS SNI of a passthrough connection.
 	ServerName string
+	// Tag is the opener's own, never sent: what it uses the connection
+	// for (the node marks its pooled HTTP connections with it).
+	Tag any
 }
 
 // Conn is one virtual connection of a Session. It is a net.Conn with

@@ -306,6 +306,17 @@ func (s *Session) Stats() Stats {
 	return Stats{Conns: n, Buffered: s.buffered.Load(), Queued: queued}
 }
 
+// Conns returns the connections open on the session.
+func (s *Session) Conns() []*Conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*Conn, 0, len(s.conns))
+	for _, c := range s.conns {
+		out = append(out, c)
+	}
+	return out
+}
+
 // NumConns returns the number of open connections.
 func (s *Session) NumConns() int {
 	s.mu.Lock()
