@@ -147,10 +147,18 @@ func TestLeaveWhileDisconnectedStopsAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	go a.Leave(context.Background())
-	<-a.leaveCh
-	if err := a.Run(context.Background()); err != nil {
-		t.Fatalf("Run after Leave: %v", err)
+	if err := a.Leave(context.Background()); err != nil {
+		t.Fatalf("Leave before Run: %v", err)
+	}
+	ran := make(chan error, 1)
+	go func() { ran <- a.Run(context.Background()) }()
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Fatalf("Run after Leave: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run after Leave did not return")
 	}
 }
 
