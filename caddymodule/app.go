@@ -110,8 +110,8 @@ type App struct {
 
 	// MaxSessions bounds the agent sessions; beyond it a new agent stream
 	// is refused with RESOURCE_EXHAUSTED (agents retry with backoff). An
-	// agent replacing its own session, or succeeding one that is leaving
-	// (shutting down), is always admitted. Default 1024,
+	// agent replacing its own session, or succeeding its one leaving
+	// session (shutting down), is always admitted. Default 1024,
 	// as the reference has it: every session holds its routes, patterns
 	// and buffers, so a leaked token must not be able to open them
 	// without end.

@@ -485,13 +485,10 @@ func (n *node) onControl(a *agentSession, f *tunnelpb.Frame) {
 
 // leave serves an agent's Drain: the agent is shutting down. Its routes are
 // withdrawn from every lookup and its ports released, so new requests and
-// connections go to other agents, while the connections it has open run on;
-// the agent ends the session once they are done (or its grace ran out). The
-// answer is an AdvertiseAck with no routes: everything sent before it was
-// routed by the old table, which tells the agent when no new work can come.
-// Idle pooled HTTP connections to the agent are closed (they hold its
-// connections open but carry nothing), as are those that go idle later
-// (closeWhenIdle).
+// connections go to other agents, while the connections it has open run on.
+// The answer is an AdvertiseAck with no routes. The session's idle pooled
+// HTTP connections are closed (closeIdleHTTP), and the node ends the
+// session once no connection is left, or the grace ran out (endWhenIdle).
 func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 	n.admitMu.Lock()
 	withdrawn := n.reg.withdraw(a)
@@ -506,13 +503,13 @@ func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 		return
 	}
 	grace := time.Duration(d.GetGraceMs()) * time.Millisecond
+	if grace <= 0 || grace > maxLeaveGrace {
+		grace = maxLeaveGrace
+	}
 	if ok, suppressed := n.sessionLog.Allow(); ok {
 		n.log().Info("agent leaving; its routes take no new connections", zap.String("agent", a.agentID),
 			zap.String("reason", truncate(d.GetReason(), maxLoggedMessage)), zap.Int("open_connections", a.sess.NumConns()),
 			zap.Duration("grace", grace), zap.Int("suppressed_since_last", suppressed))
-	}
-	if grace <= 0 || grace > maxLeaveGrace {
-		grace = maxLeaveGrace
 	}
 	// Off the session's receive loop: closing a connection sends frames.
 	go a.closeIdleHTTP()
@@ -523,8 +520,13 @@ func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 // when none of its requests is in flight: they are all idle then, nothing
 // will pick them again, and open they would hold the session until the
 // transport's idle timeout. Upgraded connections and TCP relays are left
-// to finish.
+// to finish. While a RoundTrip is under way (it holds sweepMu for
+// reading) it does nothing: that request's end sweeps (requestDone).
 func (a *agentSession) closeIdleHTTP() {
+	if a.requests.Load() != 0 || !a.sweepMu.TryLock() {
+		return
+	}
+	defer a.sweepMu.Unlock()
 	if a.requests.Load() != 0 {
 		return
 	}
@@ -759,8 +761,8 @@ func (n *node) admitStream(remote string, opts *nodeOptions) (func(), error) {
 }
 
 // admitSession counts a session against max_sessions (and per address). An
-// agent replacing its own session, or succeeding one that is leaving, is
-// always admitted.
+// agent replacing its own session, or succeeding its one leaving session
+// (registry.succeeds), is always admitted.
 func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), error) {
 	replacing := n.reg.succeeds(agentID)
 	limit, perAddr := opts.maxSessions, opts.maxSessionsPerAddr

@@ -51,8 +51,11 @@ type agentSession struct {
 	ended   bool
 	opening atomic.Int32
 	// requests counts the requests of the sluice transport in flight on
-	// the session, from RoundTrip to the response body's Close.
+	// the session, from RoundTrip to the response body's Close. sweepMu
+	// is held for reading by a RoundTrip until it returns, and for writing
+	// by closeIdleHTTP.
 	requests atomic.Int64
+	sweepMu  sync.RWMutex
 }
 
 // routeEntry is one route of one agent session.
@@ -322,7 +325,7 @@ func (r *registry) unregister(a *agentSession) bool {
 // every lookup, so new requests and connections go to other agents (or get
 // the no-agent answer), while a's dial addresses stay valid: a request that
 // picked a just before keeps its way to it, and the agent serves what is
-// open until it ends the session. A newer session of the same id then
+// open until the node ends the session (node.endWhenIdle). A newer session of the same id then
 // registers without displacing a. It reports whether a was registered.
 func (r *registry) withdraw(a *agentSession) bool {
 	r.mu.Lock()

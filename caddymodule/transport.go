@@ -249,10 +249,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if e == nil {
 		return t.HTTPTransport.RoundTrip(req)
 	}
-	var conn atomic.Pointer[net.Conn]
-	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
-		GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
-	}))
+	var conn atomic.Pointer[net.Conn] // the connection of an upgrade request
+	if req.Header.Get("Upgrade") != "" {
+		req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+			GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
+		}))
+	}
 	if h := e.route.GetRewriteHost(); h != "" {
 		req.Host = h
 	}
@@ -261,8 +263,13 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		t.SetScheme(req)
 		rt = t.h1
 	}
+	// Counted, and under the sweep's read lock until it has its
+	// connection and the response head: a sweep of a leaving agent's idle
+	// connections (closeIdleHTTP) cannot close the one it picks meanwhile.
+	e.agent.sweepMu.RLock()
 	e.agent.requests.Add(1)
 	res, err := rt.RoundTrip(req)
+	e.agent.sweepMu.RUnlock()
 	if err != nil || res.StatusCode == http.StatusSwitchingProtocols {
 		// An upgraded connection is never pooled, and not idle when no
 		// request is in flight; its body must stay the connection
