@@ -172,7 +172,7 @@ func (m *portManager) serve(c *portClaim) {
 			conn.Close()
 			continue
 		}
-		go m.n.relayTCP(conn, e, "")
+		go m.n.relayTCPAgain(conn, e, "", func() *routeEntry { return m.owner(c.port) })
 	}
 }
 

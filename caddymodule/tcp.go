@@ -39,7 +39,16 @@ var ErrLimit = errors.New("sluice: connection limit reached")
 // both directions end. client may have bytes already read by matchers: it
 // must replay them (a *layer4.Connection does).
 func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
-	t := a.node.reg.table.Load()
+	e := a.node.resolveTCP(target)
+	if e == nil {
+		return ErrNoRoute
+	}
+	return a.node.relayTCPAgain(client, e, target.ServerName, func() *routeEntry { return a.node.resolveTCP(target) })
+}
+
+// resolveTCP returns the route target selects in the current table.
+func (n *node) resolveTCP(target TCPTarget) *routeEntry {
+	t := n.reg.table.Load()
 	var routes []*routeEntry
 	switch {
 	case target.Route != "":
@@ -48,15 +57,33 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 		routes = t.lookupSNI(target.ServerName)
 	}
 	if len(routes) == 0 && target.Route == "" {
-		if e := a.node.ports.owner(target.LocalPort); e != nil {
-			return a.node.relayTCP(client, e, target.ServerName)
+		if e := n.ports.owner(target.LocalPort); e != nil {
+			return e
 		}
 		routes = t.byPort[target.LocalPort]
 	}
 	if len(routes) == 0 {
-		return ErrNoRoute
+		return nil
 	}
-	return a.node.relayTCP(client, routes[0], target.ServerName)
+	return routes[0]
+}
+
+// relayTCPAgain is relayTCP, once more with the route again returns if e's
+// agent left (errAgentLeft) between the lookup and the open: its routes
+// are out of the table by then, so the connection goes to whichever agent
+// serves it now, as it would have a moment later.
+func (n *node) relayTCPAgain(client net.Conn, e *routeEntry, serverName string, again func() *routeEntry) error {
+	err := n.relayTCP(client, e, serverName)
+	if !errors.Is(err, errAgentLeft) {
+		return err
+	}
+	if next := again(); next != nil && next.agent != e.agent {
+		err = n.relayTCP(client, next, serverName)
+	}
+	if errors.Is(err, errAgentLeft) {
+		client.Close()
+	}
+	return err
 }
 
 // relayTCP opens a virtual connection for route e on its session and
@@ -83,6 +110,9 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
 		n.refuseTCP(client, "max_connections")
 		return ErrLimit
+	}
+	if errors.Is(err, errAgentLeft) {
+		return err // the caller tries the route's next agent (relayTCPAgain)
 	}
 	if err != nil {
 		client.Close()
