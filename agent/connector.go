@@ -36,7 +36,6 @@ type connector struct {
 
 	mu     sync.Mutex
 	active int64
-	idle   chan struct{} // closed when active drops to 0 (whenIdle); nil when nobody waits
 	wg     sync.WaitGroup
 }
 
@@ -116,10 +115,6 @@ func (c *connector) serve(ctx context.Context, conn *tunnelcore.Conn) {
 		defer func() {
 			c.mu.Lock()
 			c.active--
-			if c.active == 0 && c.idle != nil {
-				close(c.idle)
-				c.idle = nil
-			}
 			c.mu.Unlock()
 			c.wg.Done()
 		}()
@@ -132,22 +127,6 @@ func (c *connector) Active() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return int(c.active)
-}
-
-// whenIdle returns a channel closed once no connection is being dialed or
-// relayed (at once when none is).
-func (c *connector) whenIdle() <-chan struct{} {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.active == 0 {
-		ch := make(chan struct{})
-		close(ch)
-		return ch
-	}
-	if c.idle == nil {
-		c.idle = make(chan struct{})
-	}
-	return c.idle
 }
 
 // wait waits up to d for every handler to finish; it reports whether they did.

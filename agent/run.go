@@ -127,11 +127,12 @@ type Agent struct {
 	state   atomic.Int32
 	stopped chan struct{} // closed when Run returns
 
-	// Leave: leaveCh is closed once it was called, after leaveCtx (its
-	// grace) was stored.
-	leaveOnce sync.Once
-	leaveCh   chan struct{}
-	leaveCtx  context.Context
+	// Leave: leaveReq is cancelled once it was called, after leaveCtx
+	// (its grace) was stored.
+	leaveOnce    sync.Once
+	leaveReq     context.Context
+	requestLeave context.CancelFunc
+	leaveCtx     context.Context
 
 	mu        sync.Mutex
 	connected chan struct{} // closed while connected; replaced on disconnect
@@ -162,10 +163,10 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		drainMargin:    drainMargin,
 		connected:      make(chan struct{}),
 		stopped:        make(chan struct{}),
-		leaveCh:        make(chan struct{}),
 		lastToken:      cfg.Token,
 		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).Budget),
 	}
+	a.leaveReq, a.requestLeave = context.WithCancel(context.Background())
 	for _, o := range opts {
 		o(a)
 	}
@@ -303,17 +304,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	// session, the upstream dials and relays under way.
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
-	go func() {
-		select {
-		case <-a.leaveCh:
-			select {
-			case <-a.leaveCtx.Done():
-				stop()
-			case <-ctx.Done():
-			}
-		case <-ctx.Done():
-		}
-	}()
+	defer context.AfterFunc(a.leaveReq, func() { context.AfterFunc(a.leaveCtx, stop) })()
 	defer func() {
 		a.markDisconnected(StateStopped)
 		if !a.conn.wait(shutdownWait) {
@@ -353,7 +344,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			t.Stop()
 			return nil
-		case <-a.leaveCh:
+		case <-a.leaveReq.Done():
 			t.Stop()
 			return nil
 		case <-t.C:
@@ -378,7 +369,7 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) Leave(ctx context.Context) error {
 	a.leaveOnce.Do(func() {
 		a.leaveCtx = ctx
-		close(a.leaveCh)
+		a.requestLeave()
 	})
 	if !a.running.Load() {
 		return nil
@@ -393,14 +384,7 @@ func (a *Agent) Leave(ctx context.Context) error {
 }
 
 // leavingNow reports whether Leave was called.
-func (a *Agent) leavingNow() bool {
-	select {
-	case <-a.leaveCh:
-		return true
-	default:
-		return false
-	}
-}
+func (a *Agent) leavingNow() bool { return a.leaveReq.Err() != nil }
 
 // displaced reports whether the node ended the session because a newer
 // stream of the same agent id replaced it.
@@ -608,23 +592,10 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	// Leaving before the node acknowledged: give up the attempt at once,
+	// Leaving before the node acknowledged gives the attempt up at once,
 	// also a dial still under way.
-	handshaken := make(chan struct{})
-	var handshakeOnce sync.Once
-	endHandshake := func() { handshakeOnce.Do(func() { close(handshaken) }) }
-	defer endHandshake()
-	go func() {
-		select {
-		case <-a.leaveCh:
-			select {
-			case <-handshaken:
-			default:
-				cancel()
-			}
-		case <-handshaken:
-		}
-	}()
+	stopLeaveWatch := context.AfterFunc(a.leaveReq, cancel)
+	defer stopLeaveWatch()
 	sctx = metadata.AppendToOutgoingContext(sctx,
 		"authorization", "Bearer "+a.token(),
 		"x-sluice-id", a.cfg.ID)
@@ -710,14 +681,16 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	select {
 	case ack = <-acks:
 		ackTimer.Stop()
-		endHandshake()
+		if !stopLeaveWatch() { // Leave came first: the stream is cancelled
+			return sessionResult{err: errLeft}
+		}
 	case <-sess.Done():
 		ackTimer.Stop()
 		return sessionResult{err: reason(), drained: drained.Load()}
 	case <-ctx.Done():
 		ackTimer.Stop()
 		return sessionResult{err: ctx.Err()}
-	case <-a.leaveCh:
+	case <-a.leaveReq.Done():
 		ackTimer.Stop()
 		return sessionResult{err: errLeft}
 	case <-ackTimer.C:
@@ -776,7 +749,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		}
 	}()
 	var drainC <-chan time.Time
-	leaveC := a.leaveCh
+	leaveC := a.leaveReq.Done()
 	var lv *leaving
 	for {
 		select {
@@ -802,9 +775,6 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 			}
 			routes.update(a.log, ack)
 			scheduleReadvertise(len(ack.GetRejected()) > 0)
-		case <-lv.graceC():
-			lv.cut(sess)
-			return sessionResult{connected: true, err: errLeft}
 		case <-readvC:
 			readvTimer, readvC = nil, nil
 			if lv != nil {
@@ -889,14 +859,6 @@ func (l *leaving) cut(sess *tunnelcore.Session) {
 	}
 	l.a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", l.a.conn.Active()))
 	sess.CloseWithError(errLeft)
-}
-
-// graceC is nil (never ready) until the agent leaves.
-func (l *leaving) graceC() <-chan struct{} {
-	if l == nil {
-		return nil
-	}
-	return l.a.leaveCtx.Done()
 }
 
 // routeState tracks which routes the node rejected, to log changes once.

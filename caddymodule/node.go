@@ -455,10 +455,14 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 	return adv, nil
 }
 
+// sendAck answers an Advertise with the session's routes, or a leaving
+// session's Drain with none. Callers hold admitMu.
 func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
 	ack := &tunnelpb.AdvertiseAck{NodeId: n.id, InitialWindow: tunnelcore.InitialWindow, Rejected: rejected}
-	for _, e := range a.routes {
-		ack.Accepted = append(ack.Accepted, &tunnelpb.RouteKey{Name: routeName(e.route)})
+	if !a.leaving.Load() {
+		for _, e := range a.routes {
+			ack.Accepted = append(ack.Accepted, &tunnelpb.RouteKey{Name: routeName(e.route)})
+		}
 	}
 	a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: ack}})
 }
@@ -495,10 +499,8 @@ func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 	if withdrawn {
 		n.releasePorts(a.currentRoutes(&n.reg.mu))
 	}
+	n.sendAck(a, nil)
 	n.admitMu.Unlock()
-	a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{
-		NodeId: n.id, InitialWindow: tunnelcore.InitialWindow,
-	}}})
 	if !withdrawn {
 		return
 	}

@@ -325,8 +325,9 @@ func (r *registry) unregister(a *agentSession) bool {
 // every lookup, so new requests and connections go to other agents (or get
 // the no-agent answer), while a's dial addresses stay valid: a request that
 // picked a just before keeps its way to it, and the agent serves what is
-// open until the node ends the session (node.endWhenIdle). A newer session of the same id then
-// registers without displacing a. It reports whether a was registered.
+// open until the node ends the session (node.endWhenIdle). A newer session
+// of the same id then registers without displacing a. It reports whether a
+// was registered.
 func (r *registry) withdraw(a *agentSession) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
