@@ -30,6 +30,19 @@ type ConnectInfo struct {
 	Tag any
 }
 
+// wireSafe returns info with its strings made valid UTF-8. They come from
+// public clients (a TLS SNI is any bytes the ClientHello holds), and
+// protobuf refuses to marshal a string field that is not UTF-8: sent as
+// is, one client's bytes would fail the Connect frame, and with it the
+// whole session.
+func (info ConnectInfo) wireSafe() ConnectInfo {
+	info.RouteKey = strings.ToValidUTF8(info.RouteKey, "\uFFFD")
+	info.RemoteAddr = strings.ToValidUTF8(info.RemoteAddr, "\uFFFD")
+	info.LocalAddr = strings.ToValidUTF8(info.LocalAddr, "\uFFFD")
+	info.ServerName = strings.ToValidUTF8(info.ServerName, "\uFFFD")
+	return info
+}
+
 // Conn is one virtual connection of a Session. It is a net.Conn with
 // half-close (CloseWrite) and deadlines; Read and Write may be called
 // concurrently with each other, as on a TCP connection.
@@ -42,8 +55,12 @@ type Conn struct {
 	id   uint64
 	info ConnectInfo
 
-	readNotify  chan struct{} // data, EOF or an error arrived
-	writeNotify chan struct{} // credit arrived, the queue drained, or an error
+	// readNotify and writeNotify wake a waiting reader or writer: data, EOF
+	// or an error arrived; credit arrived, the queue drained, or an error.
+	// They hold one token, so a waiter that finds the end passes it on to
+	// the next (concurrent Reads or Writes all end).
+	readNotify  chan struct{}
+	writeNotify chan struct{}
 
 	rdl, wdl deadline
 
@@ -197,6 +214,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 		}
 		if err := c.readStateLocked(); err != nil {
 			c.mu.Unlock()
+			notify(c.readNotify) // the next waiting reader ends too
 			return 0, err
 		}
 		c.rwin.readerWaited = true
@@ -394,6 +412,7 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 		}
 		if err := c.readStateLocked(); err != nil {
 			c.mu.Unlock()
+			notify(c.readNotify) // the next waiting reader ends too
 			return nil, err
 		}
 		c.rwin.readerWaited = true
@@ -501,14 +520,16 @@ func (c *Conn) reserve(want int) (int, error) {
 			return 0, timeoutError{}
 		}
 		c.mu.Lock()
-		if c.werr != nil {
+		if c.werr != nil || c.wclosed {
 			err := c.werr
+			if err == nil {
+				err = ErrWriteClosed
+			}
 			c.mu.Unlock()
+			// One wake-up ends every writer waiting here: a notice holds
+			// a single token, and net.Conn allows concurrent Writes.
+			notify(c.writeNotify)
 			return 0, err
-		}
-		if c.wclosed {
-			c.mu.Unlock()
-			return 0, ErrWriteClosed
 		}
 		if room := int64(c.s.cfg.SendQueue) - c.queued.Load(); c.credit > 0 && room > 0 {
 			// Never past SendQueue by more than one frame's minimum

@@ -5,6 +5,7 @@ import (
 	"io"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -258,4 +259,39 @@ func TestBufferedStaysZeroWhenClosedDuringWriteTo(t *testing.T) {
 		t.Fatalf("Counts read %d, want the 1000 bytes WriteTo wrote", read)
 	}
 	nc.Close()
+}
+
+// TestCloseEndsEveryWaitingReadAndWrite: net.Conn allows concurrent Reads
+// and Writes; Close ends all of those waiting (for data, for credit), not
+// only the first one woken.
+func TestCloseEndsEveryWaitingReadAndWrite(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		node, agent := sessionPair(t, transports[0], Config{}, Config{})
+		nc, err := node.Open(ConnectInfo{RouteKey: "r"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := nc.Write(make([]byte, InitialWindow)); err != nil { // the whole credit
+			t.Fatal(err)
+		}
+		accept(t, agent) // which neither reads nor writes
+		const waiters = 3
+		errs := make(chan error, 2*waiters)
+		for range waiters {
+			go func() { _, err := nc.Write([]byte("more")); errs <- err }()
+			go func() { _, err := nc.Read(make([]byte, 8)); errs <- err }()
+		}
+		synctest.Wait() // every one waits: no credit, nothing to read
+		nc.Close()
+		for i := range 2 * waiters {
+			select {
+			case err := <-errs:
+				if !errors.Is(err, ErrConnClosed) {
+					t.Errorf("call %d ended with %v, want ErrConnClosed", i, err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("%d of %d waiting calls still wait after Close", 2*waiters-i, 2*waiters)
+			}
+		}
+	})
 }

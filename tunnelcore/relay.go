@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
@@ -30,7 +31,9 @@ type RelayResult struct {
 // direction closes both connections, as does a Conn on either side
 // breaking (aborted by either end, or its session ended): the real
 // connection's read would otherwise wait for a peer that may never speak
-// again. Both are closed when Relay returns.
+// again. A Conn whose peer closed it (CANCELED) is the exception: what the
+// peer sent before is still delivered, and both are closed once it is. Both
+// are closed when Relay returns.
 //
 // Copies go through io.Copy, so a Conn on either side moves its buffers
 // without an extra copy (Conn implements io.ReaderFrom and io.WriterTo).
@@ -39,7 +42,11 @@ func Relay(a, b net.Conn) RelayResult {
 		res  RelayResult
 		once sync.Once
 		wg   sync.WaitGroup
+		// For each side: its reader is done (everything it had is
+		// copied), and its peer closed it (a Conn's CANCELED).
+		readDone, peerClosed [2]atomic.Bool
 	)
+	conns := [2]net.Conn{a, b}
 	abort := func(err error) {
 		once.Do(func() {
 			res.Err = err
@@ -52,10 +59,30 @@ func Relay(a, b net.Conn) RelayResult {
 			cut(b, err)
 		})
 	}
-	pipe := func(dst, src net.Conn, n *int64) {
+	// closedByPeer ends the relay once side i's peer closed it and the
+	// bytes it sent before are copied: whichever of the two comes last.
+	closedByPeer := func(i int) {
+		if peerClosed[i].Load() && readDone[i].Load() {
+			abort(nil)
+		}
+	}
+	pipe := func(i int, n *int64) {
 		defer wg.Done()
+		src, dst := conns[i], conns[1-i]
 		var err error
 		*n, err = io.Copy(dst, src)
+		readDone[i].Store(true)
+		if peerClosed[i].Load() || (err != nil && closedBy(src, err)) {
+			peerClosed[i].Store(true)
+			closedByPeer(i)
+			return
+		}
+		if err != nil && closedBy(dst, err) {
+			// Writing to a Conn whose peer closed it: that side ends
+			// once its own bytes are copied (closedByPeer); until then
+			// this direction has nowhere to go.
+			return
+		}
 		if err != nil && !isClosedErr(err) {
 			abort(err)
 			return
@@ -71,20 +98,38 @@ func Relay(a, b net.Conn) RelayResult {
 		}
 		abort(nil)
 	}
-	for _, x := range [...]net.Conn{a, b} {
+	for i, x := range conns {
 		if vc, ok := x.(*Conn); ok {
-			vc.whenBroken(func() { abort(cutShort(vc.brokenErr())) })
+			vc.whenBroken(func() {
+				if err := cutShort(vc.brokenErr()); err != nil {
+					abort(err)
+					return
+				}
+				peerClosed[i].Store(true)
+				closedByPeer(i)
+			})
 			defer vc.whenBroken(nil)
 		}
 	}
 	wg.Add(2)
-	go pipe(b, a, &res.AToB)
-	go pipe(a, b, &res.BToA)
+	go pipe(0, &res.AToB)
+	go pipe(1, &res.BToA)
 	wg.Wait()
 	once.Do(func() {}) // a break hook running late finds the result taken
 	a.Close()
 	b.Close()
 	return res
+}
+
+// closedBy reports whether err is c's peer having closed c (a Conn's
+// CANCELED), a clean end rather than a cut.
+func closedBy(c net.Conn, err error) bool {
+	vc, ok := c.(*Conn)
+	if !ok {
+		return false
+	}
+	var perr *PeerError
+	return errors.As(err, &perr) && perr.Code == tunnelpb.Error_CANCELED && cutShort(vc.brokenErr()) == nil && vc.isBroken()
 }
 
 // cut ends c after a relay error so that whoever is behind it learns the

@@ -86,6 +86,46 @@ func TestRelayEndsWhenItsConnBreaks(t *testing.T) {
 	}
 }
 
+// TestRelayDeliversWhatAPeerSentBeforeClosing: the peer writes, then
+// closes while its read side is open (DATA, FIN, then CANCELED). The relay
+// writes every byte to the upstream before it closes it, though the
+// upstream only reads once the CANCELED has arrived; closing at the
+// CANCELED would end a truncated stream cleanly.
+func TestRelayDeliversWhatAPeerSentBeforeClosing(t *testing.T) {
+	node, agent := sessionPair(t, transports[0], Config{}, Config{})
+	nc, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload := []byte(strings.Repeat("0123456789abcdef", InitialWindow/16))
+	if _, err := nc.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	up, upstream := net.Pipe() // unbuffered: the relay's writes wait for the upstream
+	relayed := make(chan RelayResult, 1)
+	go func() { relayed <- Relay(up, ac) }()
+
+	nc.Close()
+	eventually(t, 5*time.Second, "the CANCELED reached the agent", ac.isBroken)
+	upstream.SetDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(upstream)
+	if err != nil {
+		t.Fatalf("upstream read: %v", err)
+	}
+	if string(got) != string(payload) {
+		t.Fatalf("the upstream read %d of the %d bytes sent before the close, then EOF", len(got), len(payload))
+	}
+	select {
+	case res := <-relayed:
+		if res.Err != nil {
+			t.Errorf("the relay reported %v for a connection its peer closed", res.Err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the relay did not end once everything was delivered")
+	}
+}
+
 // TestWriteToBatchShowsProgressPerPiece: with a small write batch, WriteTo
 // hands the writer one received piece at a time, so Counts advances with
 // each (what an idle watcher reads), instead of once per 256 KiB.

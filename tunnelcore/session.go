@@ -74,6 +74,7 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 // written at once travel behind the Connect frame, and a peer that refuses
 // the connection answers with an Error that the first Read returns.
 func (s *Session) Open(info ConnectInfo) (*Conn, error) {
+	info = info.wireSafe()
 	var id uint64
 	if s.cfg.Role == RoleAgent {
 		id = s.nextID.Add(2) - 2

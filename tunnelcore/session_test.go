@@ -595,3 +595,34 @@ func TestConnectRacingSessionCloseFreesItsSlot(t *testing.T) {
 		})
 	}
 }
+
+// TestClientBytesThatAreNotUTF8FailNothing: a public client's SNI may be
+// any bytes, and protobuf refuses to marshal a string that is not UTF-8.
+// The Connect carries it made valid, and the session and the connection
+// live on.
+func TestClientBytesThatAreNotUTF8FailNothing(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tr transport) {
+		node, agent := sessionPair(t, tr, Config{}, Config{})
+		nc, err := node.Open(ConnectInfo{RouteKey: "r", ServerName: "\xffevil.example.com", RemoteAddr: "\xfe:1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := nc.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		ac := accept(t, agent)
+		if got, want := ac.Info().ServerName, "\uFFFDevil.example.com"; got != want {
+			t.Errorf("ServerName %q, want %q", got, want)
+		}
+		if got, want := ac.Info().RemoteAddr, "\uFFFD:1"; got != want {
+			t.Errorf("RemoteAddr %q, want %q", got, want)
+		}
+		buf := make([]byte, 4)
+		if _, err := io.ReadFull(ac, buf); err != nil || string(buf) != "ping" {
+			t.Fatalf("read %q, %v", buf, err)
+		}
+		if err := node.Err(); err != nil {
+			t.Fatalf("session ended: %v", err)
+		}
+	})
+}
