@@ -282,19 +282,19 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 			*dst = v
 		}
 	}
-	setStr(EnvServer, &c.Server)
 	setStr(EnvID, &c.ID)
-	setStr(EnvCAFile, &c.CAFile)
 	setStr(EnvLogLevel, &c.LogLevel)
 	c.setToken(getenv(EnvToken), getenv(EnvTokenFile))
+	var insecure *bool
 	if v := getenv(EnvInsecure); v != "" {
 		b, err := strconv.ParseBool(strings.TrimSpace(v))
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: invalid boolean %q", EnvInsecure, v))
 		} else {
-			c.Insecure = b
+			insecure = &b
 		}
 	}
+	c.setServer(nonEmpty(getenv(EnvServer)), insecure, nonEmpty(getenv(EnvCAFile)))
 	if v := getenv(EnvMaxConnections); v != "" {
 		n, err := strconv.Atoi(strings.TrimSpace(v))
 		if err != nil {
@@ -348,6 +348,44 @@ func (c *Config) setToken(token, file string) {
 		c.Token, c.TokenFile = "", file
 	}
 	c.tokenFrom, c.tokenRead = "", ""
+}
+
+// setServer applies one configuration layer's server and its trust
+// settings, which go together as the token's do (setToken). A layer that
+// sets a grpc:// server drops the trust settings of the layers below
+// (only grpcs:// uses them); one that sets insecure, or ca_file, alone
+// replaces the other of the layers below (insecure=false keeps a ca_file).
+// What one layer sets together stays, for Validate to judge.
+// A nil argument is one the layer does not set.
+func (c *Config) setServer(server *string, insecure *bool, caFile *string) {
+	if server != nil {
+		c.Server = *server
+		if strings.HasPrefix(strings.ToLower(strings.TrimSpace(*server)), "grpc://") {
+			c.Insecure, c.CAFile = false, ""
+		}
+	}
+	switch {
+	case insecure != nil && caFile != nil:
+		c.Insecure, c.CAFile = *insecure, *caFile
+	case insecure != nil:
+		c.Insecure = *insecure
+		if *insecure {
+			c.CAFile = ""
+		}
+	case caFile != nil:
+		c.CAFile = *caFile
+		if *caFile != "" {
+			c.Insecure = false
+		}
+	}
+}
+
+// nonEmpty is a pointer to s, or nil when s is empty (an unset variable).
+func nonEmpty(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
 }
 
 // NewID returns a random agent id: "agent-" and 12 hex digits.

@@ -22,7 +22,8 @@ import (
 const (
 	// upstreamDialTimeout bounds the dial (and TLS handshake) to an upstream.
 	upstreamDialTimeout = 10 * time.Second
-	// dialLogEvery rate-limits dial failure lines, per upstream.
+	// dialLogEvery rate-limits dial failure lines, per upstream, and the
+	// connection limit's refusals.
 	dialLogEvery = 10 * time.Second
 )
 
@@ -33,6 +34,7 @@ type connector struct {
 	upstreams   map[string]*upstream
 	maxConns    int64
 	dialTimeout time.Duration
+	limitLog    *logthrottle.Throttle // refusals at maxConns
 
 	mu     sync.Mutex
 	active int64
@@ -48,17 +50,15 @@ type upstream struct {
 	dialLog  *logthrottle.Throttle
 }
 
-func newConnector(cfg *Config, log *zap.Logger) *connector {
+// newConnector prepares cfg's upstreams; maxConns bounds the connections
+// relayed at once (agentLimits).
+func newConnector(cfg *Config, maxConns int64, log *zap.Logger) *connector {
 	c := &connector{
 		log:         log,
 		upstreams:   make(map[string]*upstream, len(cfg.Upstreams)),
-		maxConns:    int64(cfg.MaxConnections),
+		maxConns:    maxConns,
 		dialTimeout: upstreamDialTimeout,
-	}
-	if c.maxConns == 0 {
-		// Derived as the node derives its own: half the memory limit,
-		// less the tunnel budget, at 293 KiB per connection.
-		c.maxConns = tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).MaxConnections
+		limitLog:    logthrottle.New(dialLogEvery, 1),
 	}
 	for _, u := range cfg.Upstreams {
 		scheme, hostport := u.TargetURL()
@@ -104,7 +104,10 @@ func (c *connector) serve(ctx context.Context, conn *tunnelcore.Conn) {
 	c.mu.Lock()
 	if c.active >= c.maxConns {
 		c.mu.Unlock()
-		c.log.Debug("connection limit reached; connection refused", zap.String("route", key), zap.Int64("max_connections", c.maxConns))
+		if ok, suppressed := c.limitLog.Allow(); ok {
+			c.log.Warn("connection limit reached; connection refused", zap.String("route", key),
+				zap.Int64("max_connections", c.maxConns), zap.Int("suppressed_since_last", suppressed))
+		}
 		conn.Abort(tunnelpb.Error_RESOURCE_EXHAUSTED, "agent connection limit reached")
 		return
 	}

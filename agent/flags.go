@@ -60,15 +60,20 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 		return nil, err
 	}
 
+	var (
+		server, caFile *string
+		insecure       *bool
+	)
 	if set["server"] {
-		c.Server = v.server
+		server = &v.server
 	}
 	if set["insecure"] {
-		c.Insecure = v.insecure
+		insecure = &v.insecure
 	}
 	if set["ca-file"] {
-		c.CAFile = v.caFile
+		caFile = &v.caFile
 	}
+	c.setServer(server, insecure, caFile)
 	if set["id"] {
 		c.ID = v.id
 	}
@@ -268,9 +273,7 @@ func ParseUpstream(spec string) (Upstream, error) {
 				if host == "" {
 					return fail("empty host before '='")
 				}
-				if host != "*" {
-					u.Host = host
-				}
+				u.Host = host // "*", the catch-all, as host=* (validate reads it)
 				u.Target = val
 				seen["host"], seen["target"] = true, true
 				prev = "target"

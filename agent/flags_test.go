@@ -21,7 +21,9 @@ func TestParseUpstream(t *testing.T) {
 		{"app.example.com=http://127.0.0.1:3000,rewrite_host=app.local,force_http1",
 			Upstream{Host: "app.example.com", Target: "http://127.0.0.1:3000", RewriteHost: "app.local", ForceHTTP1: true}},
 		{"*=http://127.0.0.1:8080",
-			Upstream{Target: "http://127.0.0.1:8080"}},
+			Upstream{Host: "*", Target: "http://127.0.0.1:8080"}},
+		{"*=tcp://127.0.0.1:6379",
+			Upstream{Host: "*", Target: "tcp://127.0.0.1:6379"}},
 		{"target=http://127.0.0.1:8080,name=fallback",
 			Upstream{Name: "fallback", Target: "http://127.0.0.1:8080"}},
 		{" host = db.example.com , target = tcp://127.0.0.1:5432 , tls_passthrough , proxy_protocol=v2 ",
@@ -183,6 +185,58 @@ func TestParseFlagsInsecureFalseOverridesEnv(t *testing.T) {
 	}
 	if c.Insecure {
 		t.Error("insecure still set")
+	}
+}
+
+// TestServerTrustIsLayeredLikeTheToken: a layer that sets one of insecure
+// and ca_file replaces the other of the layers below, and one that makes
+// the server grpc:// drops their trust settings; only what one layer sets
+// together conflicts.
+func TestServerTrustIsLayeredLikeTheToken(t *testing.T) {
+	ca := writeCA(t)
+	file := func(trust string) string {
+		return writeFile(t, "agent.yaml", "server: grpcs://a:1\ntoken: t\nupstreams:\n  - host: a\n    target: http://a:1\n"+trust)
+	}
+	for _, tc := range []struct {
+		name         string
+		trust        string
+		env          map[string]string
+		args         []string
+		wantInsecure bool
+		wantCA       string
+		wantErr      string
+	}{
+		{"flag ca_file over file insecure", "insecure: true\n", nil, []string{"-ca-file", ca}, false, ca, ""},
+		{"env ca_file over file insecure", "insecure: true\n", map[string]string{EnvCAFile: ca}, nil, false, ca, ""},
+		{"flag insecure over env ca_file", "", map[string]string{EnvCAFile: ca}, []string{"-insecure"}, true, "", ""},
+		{"insecure=false keeps ca_file", "ca_file: " + ca + "\n", nil, []string{"-insecure=false"}, false, ca, ""},
+		{"-ca-file= clears ca_file", "ca_file: " + ca + "\n", nil, []string{"-ca-file="}, false, "", ""},
+		{"plaintext server drops file trust", "insecure: true\nca_file: " + ca + "\n", map[string]string{EnvServer: "grpc://b:2"}, nil, false, "", ""},
+		{"one layer sets both", "", nil, []string{"-insecure", "-ca-file", ca}, false, "", "insecure and ca_file are mutually exclusive"},
+		{"one layer sets plaintext and insecure", "", nil, []string{"-server", "grpc://b:2", "-insecure"}, false, "", "insecure: only valid with a grpcs:// server"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := map[string]string{EnvConfig: file(tc.trust)}
+			for k, v := range tc.env {
+				env[k] = v
+			}
+			c, err := ParseFlags(tc.args, envFunc(env))
+			if err == nil {
+				err = c.Validate()
+			}
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.Insecure != tc.wantInsecure || c.CAFile != tc.wantCA {
+				t.Errorf("insecure %v ca_file %q, want %v %q", c.Insecure, c.CAFile, tc.wantInsecure, tc.wantCA)
+			}
+		})
 	}
 }
 

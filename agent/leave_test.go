@@ -103,6 +103,33 @@ func TestLeaveLetsOpenConnectionsFinish(t *testing.T) {
 
 // A node that does not answer Drain (older than this agent) keeps the agent
 // until the grace is over; what is open then is cut.
+// TestLeaveWithNothingOpenSaysSo: with no connection open, the node answers
+// the Drain and ends the session at once; the agent takes the answer that
+// came before the end and says it left cleanly, every time (the two used
+// to race, and the line said the session ended while leaving).
+func TestLeaveWithNothingOpenSaysSo(t *testing.T) {
+	const rounds = 10
+	for i := range rounds {
+		node := newFakeNode(t, "secret", nodeOptions{})
+		ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + echoUpstream(t)}))
+		node.next(t)
+		waitFor(t, 10*time.Second, "connected", func() bool { return ag.State() == StateConnected })
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		select {
+		case err := <-leaveAsync(ag, ctx):
+			if err != nil {
+				t.Fatalf("round %d: Leave: %v", i, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("round %d: Leave did not return", i)
+		}
+		cancel()
+		if !hasLog(ag.logs, "left the node: every connection finished", "", "") {
+			t.Fatalf("round %d: no line saying the agent left cleanly: %v", i, ag.logs.All())
+		}
+	}
+}
+
 func TestLeaveCutsWhatTheGraceLeavesOpen(t *testing.T) {
 	node := newFakeNode(t, "secret", nodeOptions{silentOnDrain: true})
 	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + echoUpstream(t)}))

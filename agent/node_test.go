@@ -164,6 +164,7 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 						for sess.NumConns() > 0 && ctx.Err() == nil {
 							time.Sleep(5 * time.Millisecond)
 						}
+						sess.Flush(ctx) // the answer first
 						cancel()
 					}()
 				}

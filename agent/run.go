@@ -164,8 +164,9 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		connected:      make(chan struct{}),
 		stopped:        make(chan struct{}),
 		lastToken:      cfg.Token,
-		budget:         tunnelcore.NewBudget(tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, 0).Budget),
 	}
+	lim := agentLimits(cfg)
+	a.budget = tunnelcore.NewBudget(lim.Budget)
 	a.leaveReq, a.requestLeave = context.WithCancel(context.Background())
 	for _, o := range opts {
 		o(a)
@@ -175,8 +176,32 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		return nil, err
 	}
 	a.creds = creds
-	a.conn = newConnector(cfg, logger)
+	a.conn = newConnector(cfg, lim.MaxConnections, logger)
+	logLimits(logger, cfg, lim)
 	return a, nil
+}
+
+// agentLimits derives what cfg leaves unset as the node derives its own:
+// half the memory limit for the data plane, an eighth of it for the tunnel
+// budget, the rest for connections at tunnelcore.ConnectionCost each.
+func agentLimits(cfg *Config) tunnelcore.Limits {
+	return tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), cfg.TunnelBudget, 0, int64(cfg.MaxConnections))
+}
+
+// starvedConnections is the derived connection limit below which the agent
+// warns at start: a tunnel_budget that takes (nearly) all of half the
+// memory leaves room for a handful of connections, and the refusals that
+// follow would otherwise puzzle.
+const starvedConnections = 16
+
+func logLimits(log *zap.Logger, cfg *Config, lim tunnelcore.Limits) {
+	log.Info("limits", zap.Int64("memory_limit", lim.Memory), zap.Int64("tunnel_budget", lim.Budget),
+		zap.Int64("max_connections", lim.MaxConnections))
+	if cfg.MaxConnections == 0 && lim.MaxConnections < starvedConnections {
+		log.Warn("the memory limit leaves room for few connections; lower tunnel_budget or set max_connections",
+			zap.Int64("max_connections", lim.MaxConnections), zap.Int64("tunnel_budget", lim.Budget),
+			zap.Int64("memory_limit", lim.Memory), zap.Int64("bytes_per_connection", tunnelcore.ConnectionCost))
+	}
 }
 
 // transportCredentials builds the gRPC credentials for cfg.Server.
@@ -761,6 +786,17 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		case <-sess.Done():
 			err := reason()
 			if lv != nil {
+				// The node answers the Drain and may end the session at
+				// once: the answer was queued before the end, so take it
+				// before telling how the leave went.
+				for pending := true; pending; {
+					select {
+					case ack := <-acks:
+						lv.answered(ack)
+					default:
+						pending = false
+					}
+				}
 				lv.ended(err, drained.Load())
 			}
 			return sessionResult{connected: true, err: err, drained: drained.Load()}

@@ -23,6 +23,7 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 	"google.golang.org/grpc/credentials"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -382,7 +383,7 @@ func TestMaxConnections(t *testing.T) {
 	node := newFakeNode(t, "secret", nodeOptions{})
 	cfg := testConfig(node.addr, "secret", Upstream{Name: "echo", Target: "tcp://" + echo})
 	cfg.MaxConnections = 1
-	startAgent(t, cfg)
+	ag := startAgent(t, cfg)
 	ns := node.next(t)
 	c1, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "echo"})
 	if err != nil {
@@ -400,6 +401,42 @@ func TestMaxConnections(t *testing.T) {
 	}
 	if pe := peerError(t, c2); pe.Code != tunnelpb.Error_RESOURCE_EXHAUSTED {
 		t.Fatalf("got %v", pe)
+	}
+	// Said at warn level, where an operator looks (throttled).
+	warned := ag.logs.FilterMessage("connection limit reached; connection refused").FilterLevelExact(zapcore.WarnLevel)
+	if warned.Len() != 1 {
+		t.Fatalf("%d warnings of the refusal, want 1", warned.Len())
+	}
+}
+
+// TestLimitsAreLoggedAndStarvedOnesWarned: the agent logs the limits it
+// runs with, and warns when a tunnel_budget leaves the memory limit room
+// for only a few connections (every further one is refused).
+func TestLimitsAreLoggedAndStarvedOnesWarned(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		budget int64
+		max    int
+		warn   bool
+	}{
+		{"derived", 0, 0, tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), 0, 0, 0).MaxConnections < starvedConnections},
+		{"budget takes the memory", tunnelcore.MemoryLimit(), 0, true},
+		{"max_connections set", tunnelcore.MemoryLimit(), 2, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			core, logs := observer.New(zap.InfoLevel)
+			cfg := testConfig("127.0.0.1:1", "secret", Upstream{Name: "echo", Target: "tcp://127.0.0.1:2"})
+			cfg.TunnelBudget, cfg.MaxConnections = tc.budget, tc.max
+			if _, err := New(cfg, zap.New(core)); err != nil {
+				t.Fatal(err)
+			}
+			if logs.FilterMessage("limits").Len() != 1 {
+				t.Error("the limits were not logged")
+			}
+			if got := logs.FilterLevelExact(zapcore.WarnLevel).Len() == 1; got != tc.warn {
+				t.Errorf("warned %v, want %v: %v", got, tc.warn, logs.All())
+			}
+		})
 	}
 }
 

@@ -594,6 +594,11 @@ func (n *node) endWhenIdle(a *agentSession, grace time.Duration) {
 		case <-tick.C:
 		}
 	}
+	// The answer to its Drain first (closing drops what is queued): the
+	// agent reads it as its routes withdrawn, and the end as a clean leave.
+	ctx, cancel := context.WithTimeout(context.Background(), leaveMargin)
+	a.sess.Flush(ctx)
+	cancel()
 	a.sess.CloseWithError(errAgentLeft)
 }
 

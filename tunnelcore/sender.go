@@ -57,6 +57,9 @@ type ctrlItem struct {
 	grant  *Conn
 	owner  *Conn // the connection env belongs to, for frames of one
 	paced  bool
+	// flushed, on an entry with nothing else set, is closed when the
+	// sender reaches it: every entry before it has been sent (Flush).
+	flushed chan struct{}
 }
 
 // conn returns the connection the entry belongs to, if any.
@@ -184,6 +187,10 @@ func (s *Session) owe(it ctrlItem, queued *bool, record func()) {
 // was the last thing holding an ended one there (see finish).
 func (q *sender) popControlLocked() (*tunnelpb.Envelope, *Conn) {
 	it := q.ctrl.pop()
+	if it.flushed != nil {
+		close(it.flushed)
+		return nil, nil
+	}
 	if it.paced {
 		q.paced--
 	}
@@ -396,6 +403,9 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 			q.mu.Unlock()
 			if ended != nil {
 				q.s.removeConn(ended)
+			}
+			if env == nil { // a Flush mark
+				continue
 			}
 			return env, nil
 		}

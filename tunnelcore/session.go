@@ -130,6 +130,32 @@ func (s *Session) SendControl(f *tunnelpb.Frame) error {
 	return nil
 }
 
+// Flush waits until the control frames queued before it (SendControl's,
+// and the session's own) have been handed to the stream: a session frame
+// that must reach the peer before the session ends (the answer to a
+// Drain) is flushed before CloseWithError, which drops what is queued. It
+// returns the session's error if the session ends first, or ctx's.
+func (s *Session) Flush(ctx context.Context) error {
+	flushed := make(chan struct{})
+	q := &s.sender
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		return s.Err()
+	}
+	q.ctrl.push(ctrlItem{flushed: flushed})
+	q.mu.Unlock()
+	notify(q.wake)
+	select {
+	case <-flushed:
+		return nil
+	case <-s.done:
+		return s.Err()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // Done is closed when the session has ended.
 func (s *Session) Done() <-chan struct{} { return s.done }
 

@@ -519,6 +519,48 @@ func TestControlFramesReachOnControl(t *testing.T) {
 	}
 }
 
+// TestFlushThenCloseDelivers: a session frame flushed before the session
+// ends reaches the peer (closing drops what is still queued), also with a
+// connection's data queued behind the peer's window.
+func TestFlushThenCloseDelivers(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tr transport) {
+		for i := range 20 {
+			got := make(chan *tunnelpb.Frame, 1)
+			node, agent := sessionPair(t, tr, Config{}, Config{OnControl: func(f *tunnelpb.Frame) { got <- f }})
+			nc, err := node.Open(ConnectInfo{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			go nc.Write(make([]byte, 4*InitialWindow)) // more than the agent, which never reads, lets through
+			node.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: "n1"}}})
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			err = node.Flush(ctx)
+			cancel()
+			if err != nil {
+				t.Fatalf("round %d: Flush: %v", i, err)
+			}
+			node.CloseWithError(errors.New("leaving"))
+			select {
+			case f := <-got:
+				if f.GetAdvertiseAck().GetNodeId() != "n1" {
+					t.Fatalf("round %d: got %v", i, f)
+				}
+			case <-agent.Done():
+				select {
+				case <-got:
+				default:
+					t.Fatalf("round %d: the session ended without the flushed frame (%v)", i, agent.Err())
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("round %d: neither the frame nor the end", i)
+			}
+			if err := node.Flush(context.Background()); err == nil {
+				t.Fatalf("round %d: Flush on an ended session returned nil", i)
+			}
+		}
+	})
+}
+
 func TestAcceptHonoursContext(t *testing.T) {
 	_, agent := sessionPair(t, transports[0], Config{}, Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)

@@ -88,15 +88,22 @@ func (p *pipeEnd) Send(e *tunnelpb.Envelope) error {
 	}
 }
 
+// Recv returns the next frame; after Close, the frames sent before it, then
+// io.EOF (as a gRPC server's messages reach the client before its status).
 func (p *pipeEnd) Recv(e *tunnelpb.Envelope) error {
+	var data mem.BufferSlice
 	select {
-	case data := <-p.in:
-		err := tunnelpb.Codec{}.Unmarshal(data, e)
-		data.Free()
-		return err
+	case data = <-p.in:
 	case <-p.shared.done:
-		return io.EOF
+		select {
+		case data = <-p.in:
+		default:
+			return io.EOF
+		}
 	}
+	err := tunnelpb.Codec{}.Unmarshal(data, e)
+	data.Free()
+	return err
 }
 
 func (p *pipeEnd) Close(error) { p.shared.once.Do(func() { close(p.shared.done) }) }
