@@ -26,6 +26,7 @@ import (
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
 	"github.com/sluice-tunnel/sluice/internal/ident"
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // Config is the agent's configuration (YAML file, flags, SLUICE_* environment).
@@ -695,6 +696,13 @@ func (u *Upstream) validate(field string) []error {
 		fail("name", "a tcp:// catch-all (host '*') is named \"*\"; remove name %q, or host to make it a named service", u.Name)
 	} else if strings.ContainsFunc(u.Name, func(r rune) bool { return !unicode.IsPrint(r) }) {
 		fail("name", "%q contains control characters", u.Name)
+	}
+	if len(u.Name) > tunnelpb.MaxRouteNameLength {
+		what := "name"
+		if u.Name == u.HostPattern {
+			what = "name (host_pattern by default; set a shorter name)"
+		}
+		fail("name", "%s of %d bytes: the node takes at most %d", what, len(u.Name), tunnelpb.MaxRouteNameLength)
 	}
 	return errs
 }

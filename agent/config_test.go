@@ -256,6 +256,8 @@ func TestValidateErrors(t *testing.T) {
 		{"log_level", func(c *Config) { c.LogLevel = "verbose" }, `log_level: "verbose" not supported`},
 		{"max_connections", func(c *Config) { c.MaxConnections = -1 }, "max_connections: must be >= 0"},
 		{"no upstreams", func(c *Config) { c.Upstreams = nil }, "upstreams: at least one"},
+		{"name too long", func(c *Config) { up(c).Name = strings.Repeat("é", 129) }, "upstreams[0].name: name of 258 bytes: the node takes at most 256"},
+		{"host_pattern too long for a name", func(c *Config) { up(c).Host, up(c).HostPattern = "", strings.Repeat("a", 257) }, "upstreams[0].name: name (host_pattern by default; set a shorter name) of 257 bytes"},
 		{"target required", func(c *Config) { up(c).Target = "" }, "upstreams[0].target: required"},
 		{"target scheme", func(c *Config) { up(c).Target = "ftp://a:21" }, `upstreams[0].target: scheme "ftp" not supported (want http, https or tcp)`},
 		{"target scheme checked first", func(c *Config) { up(c).Target = "ftp://a" }, `upstreams[0].target: scheme "ftp" not supported`},

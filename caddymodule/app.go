@@ -212,6 +212,13 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if na.PortRangeSize() != 1 {
 		return fmt.Errorf("sluice: listen: %q must be a single port", a.Listen)
 	}
+	if !na.IsUnixNetwork() && na.StartPort == 0 && !strings.HasSuffix(a.Listen, ":0") {
+		// "localhost" parses as port 0: a random port no agent would find.
+		return fmt.Errorf("sluice: listen: %q has no port (as in :8001)", a.Listen)
+	}
+	if err := checkTCPBind(a.TCPBind, a.TCPPortRange); err != nil {
+		return err
+	}
 	val, _, err := nodePool.LoadOrNew(nodeKey(na.String()), func() (caddy.Destructor, error) {
 		lnAny, err := na.Listen(ctx, 0, net.ListenConfig{})
 		if err != nil {
@@ -426,4 +433,21 @@ var (
 func reachableBeyondHost(addr net.Addr) bool {
 	ta, ok := addr.(*net.TCPAddr)
 	return ok && !ta.IP.IsLoopback()
+}
+
+// checkTCPBind refuses a tcp_bind the claimed ports could not bind on, at
+// load rather than at each agent's claim, and one without tcp_port_range,
+// where it binds nothing.
+func checkTCPBind(bind, portRange string) error {
+	if bind == "" {
+		return nil
+	}
+	if portRange == "" {
+		return fmt.Errorf("sluice: tcp_bind: %q without tcp_port_range binds nothing", bind)
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort(bind, "0"))
+	if err != nil {
+		return fmt.Errorf("sluice: tcp_bind: %q: %w", bind, err)
+	}
+	return ln.Close()
 }

@@ -59,6 +59,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	if h.DynamicUpstreamsRaw == nil {
 		h.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(Upstreams{}, "source", "sluice", nil)
+	} else if src := moduleName(h.DynamicUpstreamsRaw, "source"); src != "sluice" {
+		return fmt.Errorf("sluice: dynamic_upstreams: must be `sluice`, got %q", src)
 	}
 	if h.TransportRaw == nil {
 		h.TransportRaw = caddyconfig.JSONModuleObject(Transport{}, "protocol", "sluice", nil)

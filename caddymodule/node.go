@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
@@ -184,12 +185,16 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 
 func (n *node) log() *zap.Logger { return n.logger.Load() }
 
+// errNodeShutDown ends every session when the last config using the
+// control address is unloaded (after the drain grace).
+var errNodeShutDown = errors.New("sluice node shut down")
+
 // Destruct implements caddy.Destructor: the last config using this control
 // address was unloaded.
 func (n *node) Destruct() error {
 	n.drain()
 	for _, a := range n.reg.sessions() {
-		a.sess.CloseWithError(errors.New("sluice node shut down"))
+		a.sess.CloseWithError(errNodeShutDown)
 	}
 	n.server.Stop()
 	<-n.serveDone
@@ -654,7 +659,21 @@ func truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
-	return s[:n] + "…"
+	return cutUTF8(s, n) + "…"
+}
+
+// cutUTF8 returns the longest prefix of s of at most n bytes that does not
+// split a UTF-8 character: strings the node sends go into proto string
+// fields, which must stay valid UTF-8 (a frame that does not marshal ends
+// the session).
+func cutUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
 }
 
 // admit validates an agent's routes and claims the ports of its listen-port

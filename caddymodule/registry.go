@@ -178,7 +178,7 @@ const (
 	maxAdvertiseInsts = 20000
 	// maxRouteNameLength bounds a route name (it is echoed in acks, logs
 	// and Connect frames).
-	maxRouteNameLength = 256
+	maxRouteNameLength = tunnelpb.MaxRouteNameLength
 )
 
 // validateRoutes compiles the advertised routes. Invalid ones are returned
@@ -190,7 +190,7 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 		name := routeName(rt)
 		tooLong := len(name) > maxRouteNameLength
 		if tooLong {
-			name = name[:maxRouteNameLength] // as echoed in the rejection
+			name = cutUTF8(name, maxRouteNameLength) // as echoed in the rejection
 		}
 		reject := func(reason string) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: name, ListenPort: rt.GetListenPort(), Reason: reason})

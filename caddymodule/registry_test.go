@@ -4,6 +4,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"unicode/utf8"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -178,6 +181,16 @@ func TestRouteBounds(t *testing.T) {
 		if _, rejected := validateRoutes([]*tunnelpb.Route{tc.route}); len(rejected) != 1 || !strings.Contains(rejected[0].GetReason(), tc.want) {
 			t.Errorf("route %v: rejected %v, want a reason with %q", tc.route, rejected, tc.want)
 		}
+	}
+	// A long name is echoed cut at a character boundary: a proto string
+	// that is not UTF-8 would fail the ack, and with it the session.
+	long := strings.Repeat("a", 201) + strings.Repeat("é", 40)
+	_, rejected = validateRoutes([]*tunnelpb.Route{{Name: long, Host: "a.test"}})
+	if len(rejected) != 1 || !utf8.ValidString(rejected[0].GetName()) || len(rejected[0].GetName()) > maxRouteNameLength ||
+		!strings.HasPrefix(long, rejected[0].GetName()) {
+		t.Errorf("long name echoed as %q", rejected)
+	} else if _, err := proto.Marshal(&tunnelpb.AdvertiseAck{Rejected: rejected}); err != nil {
+		t.Errorf("the ack does not marshal: %v", err)
 	}
 	// Patterns share one instruction budget per Advertise.
 	var heavy []*tunnelpb.Route

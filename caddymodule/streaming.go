@@ -281,7 +281,7 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	if r.Body != nil && r.Body != http.NoBody {
 		r.Body = &countingBody{ReadCloser: r.Body, n: &x.bytesIn}
 	}
-	pw := &policyWriter{ResponseWriter: w, x: x}
+	pw := &policyWriter{ResponseWriter: w, x: x, ctx: ctx, clientCtx: clientCtx}
 	// reverse_proxy ends a response it cannot finish once the headers are
 	// out (a deadline or the idle bound cancelled the upstream read, the
 	// client left, the upstream failed) with panic(http.ErrAbortHandler),
@@ -307,8 +307,15 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 		answerLimited(w, "max_connections")
 		return nil
 	}
-	if errors.Is(cause, errExchangeTimeout) && !committed {
+	switch {
+	case committed:
+	case errors.Is(cause, errExchangeTimeout):
 		err = caddyhttp.Error(http.StatusGatewayTimeout, cause)
+	case errors.Is(cause, errShutdown) || errors.Is(err, errNodeShutDown):
+		// Cut before its answer by the end of the drain grace (this
+		// exchange's timer, or the node ending the tunnel sessions, which
+		// race): another node, or this one restarted, may serve it.
+		err = caddyhttp.Error(http.StatusServiceUnavailable, errShutdown)
 	}
 	if x.isStream() {
 		h.logStream(r, x, outcome(err, cause, clientCtx, n.drainCtx))
@@ -372,11 +379,23 @@ func (b *countingBody) Read(p []byte) (int, error) {
 // policyWriter sees the response head and every body write.
 type policyWriter struct {
 	http.ResponseWriter
-	x           *exchange
-	wroteHeader bool
+	x              *exchange
+	ctx, clientCtx context.Context // the exchange's, and the client's
+	wroteHeader    bool
 }
 
+// statusClientClosedRequest is what reverse_proxy answers when the round
+// trip ends with context.Canceled, taking it for a client that left.
+const statusClientClosedRequest = 499
+
 func (w *policyWriter) WriteHeader(code int) {
+	if !w.wroteHeader && code == statusClientClosedRequest && w.clientCtx.Err() == nil && context.Cause(w.ctx) != nil {
+		// Our own cancel (a deadline, the shutdown), which Go's HTTP/2
+		// client reports as context.Canceled rather than its cause (the
+		// HTTP/1 transport gives the cause). The client is still there:
+		// serveWithPolicy answers it (504, 503).
+		return
+	}
 	if !w.wroteHeader && (code >= 200 || code == http.StatusSwitchingProtocols) {
 		w.wroteHeader = true
 		w.x.onResponse(code, w.Header())

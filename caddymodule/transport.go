@@ -270,6 +270,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	e.agent.requests.Add(1)
 	res, err := rt.RoundTrip(req)
 	e.agent.sweepMu.RUnlock()
+	if err != nil && errors.Is(e.agent.sess.Err(), errNodeShutDown) {
+		// net/http does not pass on why the connection ended: say it,
+		// for the answer (serveWithPolicy).
+		err = fmt.Errorf("%w (%w)", err, errNodeShutDown)
+	}
 	if err != nil || res.StatusCode == http.StatusSwitchingProtocols {
 		// An upgraded connection is never pooled, and not idle when no
 		// request is in flight; its body must stay the connection

@@ -411,14 +411,15 @@ func (g *gatedUpstream) serve(w http.ResponseWriter, r *http.Request) {
 // records, by its ?id=, whether the proxy gave up on it (its request
 // context ended) before it answered or while it streamed.
 type policyUpstream struct {
-	url string
-	mu  sync.Mutex
-	cut map[string]chan struct{} // closed when the request's context ends early
+	url    string
+	mu     sync.Mutex
+	cut    map[string]chan struct{} // closed when the request's context ends early
+	protos map[string]string        // the protocol each id arrived with
 }
 
 func startPolicyUpstream(t testing.TB) *policyUpstream {
 	t.Helper()
-	p := &policyUpstream{cut: map[string]chan struct{}{}}
+	p := &policyUpstream{cut: map[string]chan struct{}{}, protos: map[string]string{}}
 	mux := http.NewServeMux()
 	// /json?delay=: an ordinary JSON answer whose head comes after delay.
 	mux.HandleFunc("/json", func(w http.ResponseWriter, r *http.Request) {
@@ -461,8 +462,19 @@ func (p *policyUpstream) oneThenSilence(contentType string) http.HandlerFunc {
 	}
 }
 
-// wait sleeps ?delay= unless the request is given up first (recorded).
+// proto returns the protocol request id arrived with ("" before it did).
+func (p *policyUpstream) proto(id string) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.protos[id]
+}
+
+// wait records the request's protocol and sleeps ?delay= unless the
+// request is given up first (recorded).
 func (p *policyUpstream) wait(r *http.Request) bool {
+	p.mu.Lock()
+	p.protos[r.URL.Query().Get("id")] = r.Proto
+	p.mu.Unlock()
 	d, _ := time.ParseDuration(r.URL.Query().Get("delay"))
 	select {
 	case <-time.After(d):

@@ -176,6 +176,15 @@ http://f.test:{HTTP} {
 		stream_path_prefixes /feed
 		stream_idle_timeout 300ms
 	}
+}
+
+http://g.test:{HTTP} {
+	sluice {
+		max_request_time 300ms
+		transport sluice {
+			versions h2c
+		}
+	}
 }`
 
 // TestStreamPolicyClassification drives each way an exchange becomes (or
@@ -218,6 +227,23 @@ func TestStreamPolicyClassification(t *testing.T) {
 		if n := c.countStreamLines(t, "/json?delay=1s&id=a1"); n != 0 {
 			t.Fatalf("an unconfirmed Accept match logged %d stream lines", n)
 		}
+	})
+
+	t.Run("a deadline before the head of an HTTP/2 upstream is a 504", func(t *testing.T) {
+		// Go's HTTP/2 client ends the round trip with context.Canceled,
+		// not the deadline's cause, which reverse_proxy takes for a
+		// client that left (499).
+		if resp, body := do(t, "g.test", "/json?delay=0s&id=g0", false); resp.StatusCode != 200 || !strings.Contains(body, `"ok"`) {
+			t.Fatalf("prompt JSON over h2c: %d %q", resp.StatusCode, body)
+		}
+		if proto := up.proto("g0"); proto != "HTTP/2.0" {
+			t.Fatalf("the upstream got %q, want h2c", proto)
+		}
+		resp, _ := do(t, "g.test", "/json?delay=1s&id=g1", false)
+		if resp.StatusCode != http.StatusGatewayTimeout {
+			t.Fatalf("status %d, want 504", resp.StatusCode)
+		}
+		up.expectCut(t, "g1", 5*time.Second)
 	})
 
 	t.Run("path prefix takes the stream deadline before headers", func(t *testing.T) {
@@ -597,7 +623,25 @@ func TestCaddyStopDrainsStreams(t *testing.T) {
 	const grace = 2 * time.Second
 	c := startCaddyWith(t, caddyOptions{Sluice: "\t\tdrain_grace 2s", NoRedirects: true, CaptureLog: true}, siteAll)
 	up := startUpstream(t, "app")
-	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	slow := startPolicyUpstream(t)
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up},
+		agent.Upstream{Host: "slow.test", Target: slow.url})
+
+	// A request whose answer would come after the grace: it is answered
+	// 503 when the grace ends (the node is going away; another may serve).
+	pending := make(chan int, 1)
+	go func() {
+		req, _ := http.NewRequest(http.MethodGet, c.url("/json?delay=60s&id=pending"), nil)
+		req.Host = "slow.test"
+		resp, err := h1Client().Do(req)
+		if err != nil {
+			t.Logf("pending request: %v", err)
+			pending <- 0
+			return
+		}
+		resp.Body.Close()
+		pending <- resp.StatusCode
+	}()
 
 	uri := "/sse?n=300&every=100ms&id=stop"
 	s := openSSE(t, h1Client(), sseRequest(t, c.url(uri), "app.test", true))
@@ -606,6 +650,7 @@ func TestCaddyStopDrainsStreams(t *testing.T) {
 	ws := dialWS(t, c, "app.test")
 	defer ws.CloseNow()
 	echoWS(t, ws, 10)
+	eventually(t, 10*time.Second, "the pending request at the upstream", func() bool { return slow.proto("pending") != "" })
 
 	start := time.Now()
 	stopped := make(chan time.Duration, 1)
@@ -648,6 +693,16 @@ func TestCaddyStopDrainsStreams(t *testing.T) {
 	case <-time.After(grace + 3*time.Second - time.Since(start)):
 		t.Fatalf("caddy.Stop still running %v after it began (drain_grace %v)", time.Since(start), grace)
 	}
+
+	select {
+	case code := <-pending:
+		if code != http.StatusServiceUnavailable {
+			t.Fatalf("a request still waiting for its answer at the end of the grace got %d, want 503", code)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request waiting for its answer was not answered")
+	}
+	slow.expectCut(t, "pending", 5*time.Second)
 
 	// The WebSocket was closed with the tunnel.
 	rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
