@@ -67,7 +67,8 @@ type Config struct {
 	LogLevel string `yaml:"log_level"`
 	// ShutdownGrace is how long sluice-agent lets its open connections
 	// finish after SIGINT or SIGTERM (Agent.Leave) before it cuts them;
-	// a second signal cuts them at once. 0 means DefaultShutdownGrace.
+	// a second signal cuts them at once. 0 means DefaultShutdownGrace; at
+	// most an hour (tunnelpb.MaxLeaveGrace).
 	// Keep it below the time the supervisor waits before it kills the
 	// process (docker stop: 10 s, Kubernetes: 30 s, systemd: 90 s).
 	// YAML takes Go durations ("30s").
@@ -138,6 +139,19 @@ type Upstream struct {
 	hostport string         // parsed Target: host:port
 	pattern  *regexp.Regexp // compiled ^(?:HostPattern)$
 	prefixes []netip.Prefix // parsed AllowedCIDRs
+	// origin names where the upstream came from when not the config
+	// file ("SLUICE_UPSTREAMS[1]", "-upstream[0]"), for Validate's
+	// errors: the merged list's index is in no source the user wrote.
+	origin string
+}
+
+// field is the upstream's name in Validate's errors: its source, else its
+// index (the config file's upstreams come first, so the index is theirs).
+func (u *Upstream) field(i int) string {
+	if u.origin != "" {
+		return u.origin
+	}
+	return fmt.Sprintf("upstreams[%d]", i)
 }
 
 // readTokenFile reads and checks the token in path. The token itself is
@@ -243,13 +257,107 @@ func LoadFile(path string) (*Config, error) {
 		if errors.Is(err, io.EOF) {
 			return c, nil // empty file
 		}
-		return nil, fmt.Errorf("config file %s: %w", path, err)
+		return nil, fmt.Errorf("config file %s: %w", path, explainYAML(data, err))
 	}
 	var extra yaml.Node
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
 		return nil, fmt.Errorf("config file %s: more than one YAML document", path)
 	}
 	return c, nil
+}
+
+// explainYAML rewrites the type errors of yaml.v3, which give a line and a
+// Go type ("line 3: cannot unmarshal !!int `30` into time.Duration"), to
+// name the field and what it takes ("shutdown_grace (line 3): `30` is not
+// a duration (as in 30s)"). Other errors pass unchanged.
+func explainYAML(data []byte, err error) error {
+	var te *yaml.TypeError
+	if !errors.As(err, &te) {
+		return err
+	}
+	var doc yaml.Node
+	if yaml.Unmarshal(data, &doc) != nil {
+		return err
+	}
+	fields := map[int]string{} // line -> path of the field set there
+	yamlFields(&doc, "", fields)
+	var msgs []string
+	for _, e := range te.Errors {
+		msgs = append(msgs, explainYAMLLine(e, fields))
+	}
+	return errors.New(strings.Join(msgs, "; "))
+}
+
+// The shapes of the yaml.v3 errors explainYAML rewrites, and the names of
+// the Go types a field takes.
+var (
+	yamlLine      = regexp.MustCompile(`^line (\d+): (.*)$`)
+	yamlCannot    = regexp.MustCompile("^cannot unmarshal !!\\w+ (`.*`) into (.+)$")
+	yamlNotFound  = regexp.MustCompile(`^field (\S+) not found in type \S+$`)
+	yamlTypeNames = map[string]string{
+		"time.Duration": "a duration (as in 30s)", "int": "an integer", "int64": "an integer",
+		"bool": "true or false", "string": "a string", "[]string": "a list of strings",
+	}
+)
+
+func explainYAMLLine(e string, fields map[int]string) string {
+	m := yamlLine.FindStringSubmatch(e)
+	if m == nil {
+		return e
+	}
+	line, _ := strconv.Atoi(m[1])
+	msg := m[2]
+	if nf := yamlNotFound.FindStringSubmatch(msg); nf != nil {
+		path := nf[1]
+		if p, ok := fields[line]; ok {
+			path = p
+		}
+		return fmt.Sprintf("%s (line %d): unknown field", path, line)
+	}
+	path, ok := fields[line]
+	if !ok {
+		return e
+	}
+	if c := yamlCannot.FindStringSubmatch(msg); c != nil {
+		want, known := yamlTypeNames[c[2]]
+		if !known {
+			want = "a " + c[2]
+		}
+		return fmt.Sprintf("%s (line %d): %s is not %s", path, line, c[1], want)
+	}
+	return fmt.Sprintf("%s (line %d): %s", path, line, msg)
+}
+
+// yamlFields records, for each line of n that sets a field, the field's
+// path in the config's terms ("upstreams[1].target").
+func yamlFields(n *yaml.Node, path string, fields map[int]string) {
+	switch n.Kind {
+	case yaml.DocumentNode:
+		for _, c := range n.Content {
+			yamlFields(c, path, fields)
+		}
+	case yaml.MappingNode:
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			p := k.Value
+			if path != "" {
+				p = path + "." + k.Value
+			}
+			fields[k.Line] = p
+			if v.Line != k.Line {
+				fields[v.Line] = p
+			}
+			yamlFields(v, p, fields)
+		}
+	case yaml.SequenceNode:
+		for i, c := range n.Content {
+			p := fmt.Sprintf("%s[%d]", path, i)
+			if _, taken := fields[c.Line]; !taken || c.Kind != yaml.MappingNode {
+				fields[c.Line] = p
+			}
+			yamlFields(c, p, fields)
+		}
+	}
 }
 
 // Environment variables read by ApplyEnv (and SLUICE_CONFIG by ParseFlags).
@@ -321,6 +429,7 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 		}
 	}
 	if v := getenv(EnvUpstreams); v != "" {
+		k := 0
 		for _, spec := range strings.Split(v, ";") {
 			if strings.TrimSpace(spec) == "" {
 				continue
@@ -330,6 +439,8 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 				errs = append(errs, fmt.Errorf("%s: %w", EnvUpstreams, err))
 				continue
 			}
+			u.origin = fmt.Sprintf("%s[%d]", EnvUpstreams, k)
+			k++
 			c.Upstreams = append(c.Upstreams, u)
 		}
 	}
@@ -495,6 +606,8 @@ func (c *Config) Validate() error {
 		fail("shutdown_grace", "must be >= 0, got %v", c.ShutdownGrace)
 	case c.ShutdownGrace == 0:
 		c.ShutdownGrace = DefaultShutdownGrace
+	case c.ShutdownGrace > tunnelpb.MaxLeaveGrace:
+		fail("shutdown_grace", "at most %v (the node ends a leaving agent's session then), got %v", tunnelpb.MaxLeaveGrace, c.ShutdownGrace)
 	}
 
 	// upstreams
@@ -505,20 +618,20 @@ func (c *Config) Validate() error {
 	routes := map[string]int{}
 	for i := range c.Upstreams {
 		u := &c.Upstreams[i]
-		field := fmt.Sprintf("upstreams[%d]", i)
+		field := u.field(i)
 		n := len(errs)
 		errs = append(errs, u.validate(field)...)
 		if len(errs) > n {
 			continue
 		}
 		if j, ok := names[u.Name]; ok {
-			fail(field+".name", "duplicate name %q (also upstreams[%d])", u.Name, j)
+			fail(field+".name", "duplicate name %q (also %s; a name defaults to the host, set name= to tell them apart)", u.Name, c.Upstreams[j].field(j))
 			continue
 		}
 		names[u.Name] = i
 		if key, what := u.routeKey(); key != "" {
 			if j, ok := routes[key]; ok {
-				fail(field, "%s already served by upstreams[%d]", what, j)
+				fail(field, "%s already served by %s", what, c.Upstreams[j].field(j))
 			} else {
 				routes[key] = i
 			}
@@ -673,6 +786,8 @@ func (u *Upstream) validate(field string) []error {
 		fail("verbatim_idle_timeout", "must be 0 or at least 1ms, got %v", u.VerbatimIdleTimeout)
 	case u.VerbatimIdleTimeout > maxIdleTimeout:
 		fail("verbatim_idle_timeout", "must be at most %v", maxIdleTimeout)
+	case u.VerbatimIdleTimeout > 0 && haveTarget && !isTCP:
+		fail("verbatim_idle_timeout", "only valid with a tcp:// target")
 	}
 
 	// name

@@ -165,11 +165,13 @@ func TestLoadFileErrors(t *testing.T) {
 		name, yaml string
 		want       []string
 	}{
-		{"unknown top-level field", "server: grpc://a:1\nservr: x\n", []string{"servr", "line 2"}},
-		{"unknown upstream field", "upstreams:\n  - target: http://a:1\n    hots: a\n", []string{"hots", "line 3", "Upstream"}},
-		{"bad duration", "upstreams:\n  - verbatim_idle_timeout: soon\n", []string{"soon", "line 2"}},
-		{"bare integer duration", "upstreams:\n  - verbatim_idle_timeout: 30\n", []string{"line 2"}},
-		{"wrong type", "max_connections: many\n", []string{"many", "line 1"}},
+		{"unknown top-level field", "server: grpc://a:1\nservr: x\n", []string{"servr (line 2): unknown field"}},
+		{"unknown upstream field", "upstreams:\n  - target: http://a:1\n    hots: a\n", []string{"upstreams[0].hots (line 3): unknown field"}},
+		{"bad duration", "upstreams:\n  - verbatim_idle_timeout: soon\n", []string{"upstreams[0].verbatim_idle_timeout (line 2): `soon` is not a duration (as in 30s)"}},
+		{"bare integer duration", "shutdown_grace: 30\n", []string{"shutdown_grace (line 1): `30` is not a duration"}},
+		{"wrong type", "max_connections: many\n", []string{"max_connections (line 1): `many` is not an integer"}},
+		{"every error, each with its field", "upstreams:\n  - host: a.test\n    target: http://a:1\n  - host: b.test\n    force_http1: maybe\n",
+			[]string{"upstreams[1].force_http1 (line 5): `maybe` is not true or false"}},
 		{"two documents", "server: grpc://a:1\n---\nserver: grpc://b:1\n", []string{"more than one YAML document"}},
 		{"syntax", "server: [\n", []string{"yaml"}},
 	}
@@ -256,6 +258,8 @@ func TestValidateErrors(t *testing.T) {
 		{"log_level", func(c *Config) { c.LogLevel = "verbose" }, `log_level: "verbose" not supported`},
 		{"max_connections", func(c *Config) { c.MaxConnections = -1 }, "max_connections: must be >= 0"},
 		{"no upstreams", func(c *Config) { c.Upstreams = nil }, "upstreams: at least one"},
+		{"shutdown_grace past the node's cap", func(c *Config) { c.ShutdownGrace = 2 * time.Hour }, "shutdown_grace: at most 1h0m0s"},
+		{"verbatim_idle_timeout on an http target", func(c *Config) { up(c).VerbatimIdleTimeout = time.Minute }, "upstreams[0].verbatim_idle_timeout: only valid with a tcp:// target"},
 		{"name too long", func(c *Config) { up(c).Name = strings.Repeat("é", 129) }, "upstreams[0].name: name of 258 bytes: the node takes at most 256"},
 		{"host_pattern too long for a name", func(c *Config) { up(c).Host, up(c).HostPattern = "", strings.Repeat("a", 257) }, "upstreams[0].name: name (host_pattern by default; set a shorter name) of 257 bytes"},
 		{"target required", func(c *Config) { up(c).Target = "" }, "upstreams[0].target: required"},
@@ -303,10 +307,10 @@ func TestValidateErrors(t *testing.T) {
 			"upstreams[2].verbatim_idle_timeout: must be 0 or at least 1ms, got 500µs"},
 		{"verbatim_idle_timeout 1ns", func(c *Config) { c.Upstreams[2].VerbatimIdleTimeout = 1 }, "upstreams[2].verbatim_idle_timeout: must be 0 or at least 1ms"},
 		{"verbatim_idle_timeout huge", func(c *Config) { c.Upstreams[2].VerbatimIdleTimeout = 2000 * time.Hour }, "upstreams[2].verbatim_idle_timeout: must be at most"},
-		{"duplicate name", func(c *Config) { c.Upstreams[2].Name = "app.example.com" }, `upstreams[2].name: duplicate name "app.example.com" (also upstreams[0])`},
+		{"duplicate name", func(c *Config) { c.Upstreams[2].Name = "app.example.com" }, `upstreams[2].name: duplicate name "app.example.com" (also upstreams[0];`},
 		{"duplicate default name", func(c *Config) {
 			c.Upstreams = append(c.Upstreams, Upstream{Host: "APP.example.com", Target: "http://b:1"})
-		}, `upstreams[3].name: duplicate name "app.example.com" (also upstreams[0])`},
+		}, `upstreams[3].name: duplicate name "app.example.com" (also upstreams[0];`},
 		{"duplicate host", func(c *Config) {
 			c.Upstreams = append(c.Upstreams, Upstream{Name: "other", Host: "app.example.com", Target: "http://b:1"})
 		}, `upstreams[3]: host "app.example.com" already served by upstreams[0]`},

@@ -93,12 +93,13 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 		c.setToken(v.token, v.tokenFile)
 	}
 	var errs []error
-	for _, spec := range v.upstreams {
+	for k, spec := range v.upstreams {
 		u, err := ParseUpstream(spec)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("-upstream: %w", err))
 			continue
 		}
+		u.origin = fmt.Sprintf("-upstream[%d]", k)
 		c.Upstreams = append(c.Upstreams, u)
 	}
 	if err := errors.Join(errs...); err != nil {

@@ -253,7 +253,7 @@ func TestParseFlagsErrors(t *testing.T) {
 		{"positional", []string{"-upstream", "a=http://a:1", "extra"}, env, []string{`unexpected argument "extra"`}},
 		{"bad spec", []string{"-upstream", "host=a"}, env, []string{"-upstream: upstream spec \"host=a\": target missing"}},
 		{"validation", []string{"-upstream", "a=ftp://a:1", "-upstream", "b=http://b:1,listen_port=80"}, env,
-			[]string{`upstreams[0].target: scheme "ftp"`, "upstreams[1].listen_port: requires a tcp:// target"}},
+			[]string{`-upstream[0].target: scheme "ftp"`, "-upstream[1].listen_port: requires a tcp:// target"}},
 		{"no upstreams", nil, env, []string{"upstreams: at least one"}},
 		{"missing server", []string{"-upstream", "a=http://a:1"}, map[string]string{EnvToken: "t"}, []string{"server: required"}},
 		{"missing config file", nil, map[string]string{EnvConfig: "/nonexistent/agent.yaml"}, []string{"/nonexistent/agent.yaml"}},
@@ -315,5 +315,25 @@ func TestVersionFlag(t *testing.T) {
 	}
 	if _, err := ParseFlags([]string{"-version=false"}, func(string) string { return "" }); errors.Is(err, ErrVersion) {
 		t.Error("-version=false asked for the version")
+	}
+}
+
+// TestUpstreamErrorsNameTheirSource: an upstream from SLUICE_UPSTREAMS or
+// -upstream is named by its place there, not by its index in the merged
+// list (which is in no source the user wrote).
+func TestUpstreamErrorsNameTheirSource(t *testing.T) {
+	file := writeFile(t, "agent.yaml", "server: grpc://a:1\ntoken: t\nupstreams:\n  - host: a.test\n    target: http://a:1\n")
+	env := map[string]string{EnvConfig: file, EnvUpstreams: "b.test=http://b:1;c.test=http://x"}
+	_, err := ParseFlags([]string{"-upstream", "a.test=http://d:1"}, envFunc(env))
+	if err == nil {
+		t.Fatal("no error")
+	}
+	for _, want := range []string{
+		`SLUICE_UPSTREAMS[1].target: "http://x": port required`,
+		`-upstream[0].name: duplicate name "a.test" (also upstreams[0];`,
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not contain %q", err, want)
+		}
 	}
 }

@@ -445,6 +445,8 @@ func connectHint(msg string, useTLS bool) string {
 		return "trust the node's CA with ca_file (or, for a test, insecure: true)"
 	case strings.Contains(msg, "connection refused"):
 		return "nothing listens there: is Caddy running, with its sluice control plane on this address?"
+	case strings.Contains(msg, "produced zero addresses"), strings.Contains(msg, "no such host"):
+		return "the server's host name does not resolve: check the host in server, and this host's DNS"
 	}
 	return ""
 }

@@ -610,6 +610,7 @@ func TestConnectHintFitsTheError(t *testing.T) {
 		{`connection error: desc = "transport: authentication handshake failed: tls: first record does not look like a TLS handshake"`, true, "does not speak TLS"},
 		{`connection error: desc = "transport: authentication handshake failed: tls: failed to verify certificate: x509: certificate signed by unknown authority"`, true, "ca_file"},
 		{`connection error: desc = "transport: Error while dialing: dial tcp 127.0.0.1:1: connect: connection refused"`, false, "nothing listens there"},
+		{`name resolver error: produced zero addresses`, false, "does not resolve"},
 		{`rpc error: code = Unavailable desc = node draining`, false, ""},
 	} {
 		got := connectHint(tc.msg, tc.useTLS)

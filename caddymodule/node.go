@@ -566,7 +566,7 @@ const (
 	// maxLeaveGrace caps that grace (0, from the agent, is none): a
 	// leaving session must end, as its id's successor is admitted past
 	// max_sessions.
-	maxLeaveGrace = time.Hour
+	maxLeaveGrace = tunnelpb.MaxLeaveGrace
 )
 
 // endWhenIdle ends a leaving session once it has no connection open nor

@@ -58,11 +58,27 @@ http://localhost:$HTTP_PORT {
 CADDY
 
 pids=()
+agent_pid=""
 cleanup() {
+	trap - EXIT INT TERM
+	# The agent first, so that it leaves the node gracefully. A Ctrl-C
+	# reached it already (same process group), and a second signal would
+	# cut what it still serves: give it a moment to leave on its own.
+	if [ -n "$agent_pid" ]; then
+		if [ "${interrupted:-0}" = 0 ]; then
+			kill -TERM "$agent_pid" 2>/dev/null || true
+		fi
+		for _ in $(seq 1 30); do # up to 3 s
+			kill -0 "$agent_pid" 2>/dev/null || break
+			sleep 0.1
+		done
+	fi
 	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
 	wait 2>/dev/null || true
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'interrupted=1; exit 130' INT
+trap 'exit 143' TERM
 
 "$WORK/bin/upstream" -listen "127.0.0.1:$UPSTREAM_PORT" -name "the private upstream" >"$WORK/upstream.log" 2>&1 &
 pids+=($!)
@@ -70,15 +86,26 @@ pids+=($!)
 pids+=($!)
 "$WORK/bin/sluice-agent" -server "grpc://127.0.0.1:$CONTROL_PORT" -token "$TOKEN" -id demo-agent \
 	-upstream "localhost=http://127.0.0.1:$UPSTREAM_PORT" >"$WORK/agent.log" 2>&1 &
+agent_pid=$!
 pids+=($!)
 
 url="http://localhost:$HTTP_PORT/"
+up=0
 for _ in $(seq 1 150); do # up to 15 s
 	if [ "$(curl -s -o /dev/null -w '%{http_code}' "$url" || true)" = 200 ]; then
+		up=1
 		break
 	fi
 	sleep 0.1
 done
+if [ "$up" = 0 ]; then
+	echo "==> the demo did not come up within 15 s: $url does not answer 200" >&2
+	for f in caddy agent upstream; do
+		echo "---- $WORK/$f.log (last 15 lines)" >&2
+		tail -n 15 "$WORK/$f.log" >&2 || true
+	done
+	exit 1
+fi
 
 echo
 echo "==> sluice demo is up: Caddy :$HTTP_PORT  ->  tunnel (control 127.0.0.1:$CONTROL_PORT)  ->  agent  ->  app 127.0.0.1:$UPSTREAM_PORT"

@@ -1,6 +1,13 @@
 package tunnelpb
 
+import "time"
+
 // MaxRouteNameLength is the longest route name, in bytes, that a node
 // accepts (README.md §12.3): names are echoed in acks, logs and Connect
 // frames. Agents check it when they load their configuration.
 const MaxRouteNameLength = 256
+
+// MaxLeaveGrace is the longest grace a node gives an agent that leaves
+// (Drain from the agent, README.md §13): past it plus a margin the node
+// ends the session. Agents refuse a longer shutdown grace at load.
+const MaxLeaveGrace = time.Hour
