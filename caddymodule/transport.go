@@ -351,8 +351,12 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 	info := tunnelcore.ConnectInfo{RouteKey: routeName(e.route), Tag: new(httpConn)}
 	if r, ok := ctx.Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
 		info.RemoteAddr = r.RemoteAddr
-		if r.TLS != nil {
-			info.ServerName = r.TLS.ServerName
+	}
+	// The original request Caddy keeps has no TLS state; its replacer
+	// reads the live request's.
+	if repl, ok := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		if sn, ok := repl.GetString("http.request.tls.server_name"); ok {
+			info.ServerName = sn
 		}
 	}
 	conn, err := t.app.node.open(ctx, e.agent, info)

@@ -174,6 +174,53 @@ func TestHTTPSH2AtCaddy(t *testing.T) {
 	}
 }
 
+// TestServerNameThatIsNotUTF8: a TLS client's server name is any bytes, and
+// one that is not UTF-8 still gets a wildcard certificate. The node passes
+// it on in the Connect frame made valid (protobuf refuses to marshal a
+// string that is not UTF-8, and the failed frame used to end the agent's
+// whole session, again on every retry).
+func TestServerNameThatIsNotUTF8(t *testing.T) {
+	c := startCaddy(t, `*.odd.test {
+	tls internal
+	sluice
+}`)
+	up := startUpstream(t, "app")
+	startAgent(t, c.serverURL(), "agent-odd", agent.Upstream{Host: "a.odd.test", Target: up})
+	get := func(serverName string) (string, error) {
+		tr := &http.Transport{TLSClientConfig: insecureTLS(serverName)}
+		defer tr.CloseIdleConnections()
+		req, err := http.NewRequest(http.MethodGet, fmt.Sprintf("https://127.0.0.1:%d/", c.httpsPort), nil)
+		if err != nil {
+			return "", err
+		}
+		req.Host = "a.odd.test"
+		resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Do(req)
+		if err != nil {
+			return "", err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return fmt.Sprintf("%d %s", resp.StatusCode, b), err
+	}
+	// The internal certificate is issued just after start: retry briefly.
+	// The first request dials the agent with the odd name.
+	var body string
+	eventually(t, 15*time.Second, "HTTPS answer", func() bool {
+		var err error
+		body, err = get("\xff.odd.test")
+		return err == nil && strings.HasPrefix(body, "200 Hello from app")
+	})
+	for range 3 {
+		body, err := get("\xff.odd.test")
+		if err != nil || !strings.HasPrefix(body, "200 Hello from app") {
+			t.Fatalf("with the server name \\xff.odd.test: %q %v", body, err)
+		}
+	}
+	if body, err := get("a.odd.test"); err != nil || !strings.HasPrefix(body, "200 Hello from app") {
+		t.Fatalf("after the odd server names: %q %v", body, err)
+	}
+}
+
 // TestForceHTTP1Route: with versions h2c on the sluice transport, a route
 // whose agent upstream sets force_http1 still gets HTTP/1.1 (its upstream
 // speaks nothing else), while another route of the same site gets h2c.
