@@ -126,6 +126,110 @@ func TestRelayDeliversWhatAPeerSentBeforeClosing(t *testing.T) {
 	}
 }
 
+// TestRelayAfterPeerCloseNeverHangs: after the peer's close (CANCELED) the
+// relay still delivers what it had, but never waits for good on the real
+// side: an echo upstream blocked writing its answers (the closed peer reads
+// none) gets them read and dropped, so it reads the rest and the relay
+// ends; one that reads nothing is given up when the Conn's session ends,
+// or after closeLinger without progress.
+func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
+	t.Run("echo upstream", func(t *testing.T) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		// Small socket buffers, so that what the agent holds for the echo
+		// is more than the sockets between them can take.
+		small := func(c net.Conn) {
+			c.(*net.TCPConn).SetReadBuffer(4096)
+			c.(*net.TCPConn).SetWriteBuffer(4096)
+		}
+		go func() {
+			c, err := ln.Accept()
+			if err == nil {
+				small(c)
+				io.Copy(c, c)
+				c.Close()
+			}
+		}()
+		node, agent := sessionPair(t, transports[0], Config{}, Config{})
+		nc, err := node.Open(ConnectInfo{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go nc.Write(make([]byte, 64<<20)) // uploads, and never reads the echo
+		ac := accept(t, agent)
+		up, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		small(up)
+		relayed := make(chan RelayResult, 1)
+		go func() { relayed <- Relay(up, ac) }()
+		// The echo fills the window the client never reads, then its own
+		// socket buffers: blocked writing, it stops reading, and what the
+		// client sent piles up at the agent.
+		eventually(t, 20*time.Second, "the echo to block", func() bool {
+			return nc.Buffered() >= InitialWindow && ac.Buffered() >= InitialWindow
+		})
+		nc.Close()
+		select {
+		case res := <-relayed:
+			if res.Err != nil {
+				t.Errorf("the relay reported %v for a connection its peer closed", res.Err)
+			}
+		case <-time.After(closeLinger / 2):
+			t.Fatal("the relay still runs after the client closed (the echo blocked on answers nobody reads)")
+		}
+	})
+	stalled := func(t *testing.T) (ac *Conn, agent *Session, relayed chan RelayResult) {
+		node, agent := sessionPair(t, transports[0], Config{}, Config{})
+		nc, err := node.Open(ConnectInfo{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := nc.Write(make([]byte, 1024)); err != nil {
+			t.Fatal(err)
+		}
+		ac = accept(t, agent)
+		up, never := net.Pipe() // an upstream that reads nothing
+		t.Cleanup(func() { never.Close() })
+		relayed = make(chan RelayResult, 1)
+		go func() { relayed <- Relay(up, ac) }()
+		nc.Close()
+		eventually(t, 5*time.Second, "the CANCELED reached the agent", ac.isBroken)
+		return ac, agent, relayed
+	}
+	t.Run("upstream reads nothing, session ends", func(t *testing.T) {
+		_, agent, relayed := stalled(t)
+		select {
+		case <-relayed:
+			t.Fatal("the relay gave up the delivery at once")
+		default:
+		}
+		agent.Close()
+		select {
+		case <-relayed:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the relay still runs after its session ended")
+		}
+	})
+	t.Run("upstream reads nothing, linger", func(t *testing.T) {
+		t.Parallel() // waits closeLinger
+		start := time.Now()
+		_, _, relayed := stalled(t)
+		select {
+		case <-relayed:
+			if d := time.Since(start); d < closeLinger {
+				t.Fatalf("the relay gave up after %v, before closeLinger (%v)", d, closeLinger)
+			}
+		case <-time.After(closeLinger + 5*time.Second):
+			t.Fatal("the relay still runs past closeLinger")
+		}
+	})
+}
+
 // TestWriteToBatchShowsProgressPerPiece: with a small write batch, WriteTo
 // hands the writer one received piece at a time, so Counts advances with
 // each (what an idle watcher reads), instead of once per 256 KiB.
