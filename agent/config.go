@@ -280,7 +280,9 @@ func explainYAML(data []byte, err error) error {
 		return err
 	}
 	fields := map[int]string{} // line -> path of the field set there
-	yamlFields(&doc, "", fields)
+	if !yamlFields(&doc, "", fields) {
+		return err // aliases: yaml.v3 reports the anchor's line
+	}
 	var msgs []string
 	for _, e := range te.Errors {
 		msgs = append(msgs, explainYAMLLine(e, fields))
@@ -307,15 +309,14 @@ func explainYAMLLine(e string, fields map[int]string) string {
 	}
 	line, _ := strconv.Atoi(m[1])
 	msg := m[2]
+	path, ok := fields[line] // "" when several fields share the line
 	if nf := yamlNotFound.FindStringSubmatch(msg); nf != nil {
-		path := nf[1]
-		if p, ok := fields[line]; ok {
-			path = p
+		if !ok || path == "" || !strings.HasSuffix(path, nf[1]) {
+			path = nf[1]
 		}
 		return fmt.Sprintf("%s (line %d): unknown field", path, line)
 	}
-	path, ok := fields[line]
-	if !ok {
+	if path == "" {
 		return e
 	}
 	if c := yamlCannot.FindStringSubmatch(msg); c != nil {
@@ -328,13 +329,25 @@ func explainYAMLLine(e string, fields map[int]string) string {
 	return fmt.Sprintf("%s (line %d): %s", path, line, msg)
 }
 
-// yamlFields records, for each line of n that sets a field, the field's
-// path in the config's terms ("upstreams[1].target").
-func yamlFields(n *yaml.Node, path string, fields map[int]string) {
+// yamlFields records, for each line of n that sets one field, the field's
+// path in the config's terms ("upstreams[1].target"), and "" for a line
+// that sets several (flow style). It reports false for a document with
+// aliases, whose errors yaml.v3 reports at the anchor.
+func yamlFields(n *yaml.Node, path string, fields map[int]string) bool {
+	set := func(line int, p string) {
+		if q, taken := fields[line]; taken && q != p && !strings.HasPrefix(p, q) {
+			p = ""
+		}
+		fields[line] = p
+	}
 	switch n.Kind {
+	case yaml.AliasNode:
+		return false
 	case yaml.DocumentNode:
 		for _, c := range n.Content {
-			yamlFields(c, path, fields)
+			if !yamlFields(c, path, fields) {
+				return false
+			}
 		}
 	case yaml.MappingNode:
 		for i := 0; i+1 < len(n.Content); i += 2 {
@@ -343,21 +356,26 @@ func yamlFields(n *yaml.Node, path string, fields map[int]string) {
 			if path != "" {
 				p = path + "." + k.Value
 			}
-			fields[k.Line] = p
+			set(k.Line, p)
 			if v.Line != k.Line {
-				fields[v.Line] = p
+				set(v.Line, p)
 			}
-			yamlFields(v, p, fields)
+			if !yamlFields(v, p, fields) {
+				return false
+			}
 		}
 	case yaml.SequenceNode:
 		for i, c := range n.Content {
 			p := fmt.Sprintf("%s[%d]", path, i)
-			if _, taken := fields[c.Line]; !taken || c.Kind != yaml.MappingNode {
-				fields[c.Line] = p
+			if c.Kind != yaml.MappingNode {
+				set(c.Line, p)
 			}
-			yamlFields(c, p, fields)
+			if !yamlFields(c, p, fields) {
+				return false
+			}
 		}
 	}
+	return true
 }
 
 // Environment variables read by ApplyEnv (and SLUICE_CONFIG by ParseFlags).

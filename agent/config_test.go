@@ -172,6 +172,9 @@ func TestLoadFileErrors(t *testing.T) {
 		{"wrong type", "max_connections: many\n", []string{"max_connections (line 1): `many` is not an integer"}},
 		{"every error, each with its field", "upstreams:\n  - host: a.test\n    target: http://a:1\n  - host: b.test\n    force_http1: maybe\n",
 			[]string{"upstreams[1].force_http1 (line 5): `maybe` is not true or false"}},
+		{"flow style: never the wrong field", "upstreams:\n  - {name: a, targt: x, target: \"tcp://a:1\", listen_port: 10000}\n", []string{"targt (line 2): unknown field"}},
+		{"flow style: a type error keeps yaml's words", "{shutdown_grace: 30, log_level: debug}\n", []string{"line 1: cannot unmarshal !!int `30` into time.Duration"}},
+		{"alias: yaml's words", "log_level: &g 30\nshutdown_grace: *g\n", []string{"line 1: cannot unmarshal"}},
 		{"two documents", "server: grpc://a:1\n---\nserver: grpc://b:1\n", []string{"more than one YAML document"}},
 		{"syntax", "server: [\n", []string{"yaml"}},
 	}
