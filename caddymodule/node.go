@@ -788,11 +788,16 @@ func (n *node) applyPortOptions(old, new *nodeOptions) {
 func (n *node) portOptionsChanged(rebind bool) {
 	n.admitMu.Lock()
 	defer n.admitMu.Unlock()
+	sessions := n.reg.sessions()
 	if rebind {
 		n.ports.closeAll()
+		// Largest agent id first: a port's smaller ids then join the
+		// claim as its owner, and the larger ones stay as standbys (a
+		// claim refuses a larger id only once a smaller one holds it).
+		slices.SortFunc(sessions, func(x, y *agentSession) int { return strings.Compare(y.agentID, x.agentID) })
 	}
 	readmitted := 0
-	for _, a := range n.reg.sessions() {
+	for _, a := range sessions {
 		if slices.ContainsFunc(a.advertised, func(r *tunnelpb.Route) bool { return r.GetListenPort() != 0 }) {
 			n.readmitLocked(a, a.advertised)
 			readmitted++

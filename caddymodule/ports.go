@@ -62,6 +62,16 @@ func (c *portClaim) owner() *routeEntry {
 	return best
 }
 
+// claimedBy reports whether session a has a claim on the port.
+func (c *portClaim) claimedBy(a *agentSession) bool {
+	for _, e := range c.claimants {
+		if e.agent == a {
+			return true
+		}
+	}
+	return false
+}
+
 // portManager binds the ports agents claim within tcp_port_range and
 // releases each when its last claimant's session ends.
 type portManager struct {
@@ -85,13 +95,22 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 	if opts.portRange.lo == 0 {
 		return errNotBound
 	}
+	if m.n.draining.Load() {
+		// The drain closed every port (closeAll after draining is
+		// set): a repeated Advertise must not bind one again.
+		return fmt.Errorf("port %d: the node is shutting down", port)
+	}
 	if !opts.portRange.contains(port) {
 		return fmt.Errorf("port %d is outside tcp_port_range %s", port, opts.portRange)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if c := m.by[port]; c != nil {
-		if o := c.owner(); o != nil && o.agent.agentID < e.agent.agentID {
+		// A session re-admitting its routes (a repeated Advertise, a
+		// reload of the port options) keeps its place among the
+		// claimants: a standby stays one, to take over when the owner
+		// leaves.
+		if o := c.owner(); o != nil && o.agent.agentID < e.agent.agentID && !c.claimedBy(e.agent) {
 			return fmt.Errorf("port %d is held by agent %s", port, o.agent.agentID)
 		}
 		c.claimants = append(c.claimants, e)

@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"net"
 	"os"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -102,5 +103,103 @@ func TestLateAdvertiseClaimsNothingForAnEndedSession(t *testing.T) {
 	n.admitMu.Unlock()
 	if e := n.ports.owner(port); e != nil {
 		t.Fatalf("port %d bound for the ended session of %s", port, e.agent.agentID)
+	}
+}
+
+// portTestNode is a node whose tcp_port_range is one free loopback port.
+func portTestNode(t *testing.T) (*node, uint32) {
+	t.Helper()
+	n := testNode(t)
+	t.Cleanup(n.ports.closeAll)
+	probe, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := uint32(probe.Addr().(*net.TCPAddr).Port)
+	probe.Close()
+	n.opts.Store(&nodeOptions{portRange: portRange{lo: port, hi: port}, tcpBind: "127.0.0.1"})
+	return n, port
+}
+
+// advertisePort has session a (re-)advertise a route on port.
+func advertisePort(n *node, a *agentSession, port uint32) {
+	n.admitMu.Lock()
+	defer n.admitMu.Unlock()
+	routes := []*tunnelpb.Route{{Name: "p", ListenPort: port, Target: "tcp://127.0.0.1:9"}}
+	if n.reg.agents[a.agentID] == a {
+		n.readmitLocked(a, routes)
+		return
+	}
+	entries, _ := n.admit(a, routes, nil)
+	a.advertised = routes
+	n.reg.register(a, entries)
+}
+
+// TestStandbyKeepsItsClaimOnReadmit: an agent that claimed a port first
+// and became the standby when a smaller id joined stays the standby when
+// its routes are re-admitted (a repeated Advertise, a reload of the port
+// options, also one that rebinds every port), and takes the port over when
+// the owner's routes go.
+func TestStandbyKeepsItsClaimOnReadmit(t *testing.T) {
+	for _, how := range []string{"repeated Advertise", "new tcp_port_range", "new tcp_bind"} {
+		t.Run(how, func(t *testing.T) {
+			n, port := portTestNode(t)
+			sb, _ := testSessionPair(t)
+			sa, _ := testSessionPair(t)
+			b := &agentSession{agentID: "agent-b", sess: sb}
+			a := &agentSession{agentID: "agent-a", sess: sa}
+			advertisePort(n, b, port)
+			advertisePort(n, a, port)
+			if o := n.ports.owner(port); o == nil || o.agent != a {
+				t.Fatalf("owner %v, want agent-a", o)
+			}
+			switch how {
+			case "repeated Advertise":
+				advertisePort(n, b, port)
+			case "new tcp_port_range":
+				old := n.opts.Load()
+				wider := *old
+				wider.portRange = portRange{lo: port - 1, hi: port}
+				n.opts.Store(&wider)
+				n.applyPortOptions(old, &wider)
+			case "new tcp_bind":
+				old := n.opts.Load()
+				moved := *old
+				moved.tcpBind = "127.0.0.2"
+				n.opts.Store(&moved)
+				n.applyPortOptions(old, &moved)
+			}
+			if o := n.ports.owner(port); o == nil || o.agent != a {
+				t.Fatalf("owner after the re-admission %v, want agent-a", o)
+			}
+			n.admitMu.Lock()
+			n.releasePorts(a.currentRoutes(&n.reg.mu))
+			n.admitMu.Unlock()
+			if o := n.ports.owner(port); o == nil || o.agent != b {
+				t.Fatalf("owner after agent-a's routes went: %v, want the standby agent-b", o)
+			}
+		})
+	}
+}
+
+// TestNoPortBoundWhileDraining: once the node drains (its ports closed), a
+// repeated Advertise binds none again.
+func TestNoPortBoundWhileDraining(t *testing.T) {
+	n, port := portTestNode(t)
+	s, _ := testSessionPair(t)
+	a := &agentSession{agentID: "agent-a", sess: s}
+	advertisePort(n, a, port)
+	if n.ports.owner(port) == nil {
+		t.Fatal("port not bound")
+	}
+	n.draining.Store(true)
+	n.ports.closeAll()
+	advertisePort(n, a, port)
+	if o := n.ports.owner(port); o != nil {
+		t.Fatalf("port %d bound again while the node drains", port)
+	}
+	if c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(port)))); err == nil {
+		c.Close()
+		t.Fatalf("port %d accepts connections while the node drains", port)
 	}
 }

@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
@@ -358,6 +359,37 @@ func TestProxyProtocolInAndOut(t *testing.T) {
 				t.Fatal("upstream reported nothing")
 			}
 		})
+	}
+}
+
+// TestProxyProtocolKeepsPortRouting: behind a load balancer that sends a
+// PROXY header, a connection takes the listen-port route of the port Caddy
+// accepted it on, not of the header's destination port (the balancer's own
+// port, or another route's).
+func TestProxyProtocolKeepsPortRouting(t *testing.T) {
+	port, other := freePort(t), freePort(t)
+	c := startCaddyWith(t, caddyOptions{Global: proxyGlobal(port, "")}, "")
+	upA, upB := serveTCP(t, greetEchoHandler("a")), serveTCP(t, greetEchoHandler("b"))
+	startAgent(t, c.serverURL(), "agent-a", agent.Upstream{ListenPort: port, Target: tcpTarget(upA)})
+	startAgent(t, c.serverURL(), "agent-b", agent.Upstream{ListenPort: other, Target: tcpTarget(upB)})
+	greet := func(dstPort int) (string, error) {
+		conn, err := net.DialTimeout("tcp", loopback(port), 5*time.Second)
+		if err != nil {
+			return "", err
+		}
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := conn.Write(proxyHeader(t, 1, dstPort)); err != nil {
+			return "", err
+		}
+		line, err := bufio.NewReader(conn).ReadString('\n')
+		return strings.TrimSpace(line), err
+	}
+	eventually(t, 10*time.Second, "agent-a serving its port", func() bool { g, err := greet(port); return err == nil && g == "a" })
+	for _, dst := range []int{443, other} {
+		if g, err := greet(dst); err != nil || g != "a" {
+			t.Errorf("PROXY destination port %d: upstream %q (%v), want agent-a's, the route of port %d", dst, g, err, port)
+		}
 	}
 }
 

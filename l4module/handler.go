@@ -64,7 +64,10 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	if sni, ok := cx.Replacer().GetString("l4.tls.server_name"); ok {
 		target.ServerName = sni
 	}
-	if a, ok := cx.LocalAddr().(*net.TCPAddr); ok {
+	// The port Caddy accepted on: after proxy_protocol, cx.LocalAddr is
+	// the header's destination (the front end's port, say 6379 where
+	// this server listens on 16379), which must not pick the route.
+	if a, ok := (conn{cx}).NetConn().LocalAddr().(*net.TCPAddr); ok {
 		target.LocalPort = uint32(a.Port)
 	}
 	err := h.app.RelayTCP(conn{cx}, target)
