@@ -95,16 +95,18 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 	if opts.portRange.lo == 0 {
 		return errNotBound
 	}
-	if m.n.draining.Load() {
-		// The drain closed every port (closeAll after draining is
-		// set): a repeated Advertise must not bind one again.
-		return fmt.Errorf("port %d: the node is shutting down", port)
-	}
 	if !opts.portRange.contains(port) {
 		return fmt.Errorf("port %d is outside tcp_port_range %s", port, opts.portRange)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.n.draining.Load() {
+		// The drain closes every port (closeAll, under m.mu, after
+		// draining is set): a repeated Advertise must not bind one
+		// again. Checked under m.mu, so a claim either sees the flag or
+		// is among the ports closeAll closes.
+		return fmt.Errorf("port %d: the node is shutting down", port)
+	}
 	if c := m.by[port]; c != nil {
 		// A session re-admitting its routes (a repeated Advertise, a
 		// reload of the port options) keeps its place among the

@@ -45,12 +45,41 @@ const testToken = "integration-test-token-0123456789abcdef"
 // freePort returns a loopback TCP port that was free a moment ago.
 func freePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 100 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if portsHandedOut.take(port) {
+			return port
+		}
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatal("no loopback port that was not handed out already")
+	return 0
+}
+
+// portsHandedOut are the ports freePort returned in this test binary. The
+// kernel may give a closed port out again, and Caddy binds with
+// SO_REUSEPORT: two servers of one test on one port would silently share
+// its connections (a layer4 server's going to an agent port, say).
+var portsHandedOut = &portSet{taken: map[int]bool{}}
+
+type portSet struct {
+	mu    sync.Mutex
+	taken map[int]bool
+}
+
+// take marks port handed out; false if it was already.
+func (s *portSet) take(port int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.taken[port] {
+		return false
+	}
+	s.taken[port] = true
+	return true
 }
 
 // caddyOptions are the optional parts of the Caddyfile a test runs.

@@ -5,7 +5,6 @@ import (
 	"io"
 	"net"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -35,16 +34,44 @@ type RelayResult struct {
 // again.
 //
 // A Conn whose peer closed it (CANCELED) is the exception: what the peer
-// sent before is still delivered, then both are closed. Meanwhile what the
-// other side sends toward it is read and dropped (its peer reads no more,
-// and a side blocked writing may stop reading what it is sent), and the
-// delivery is given up (both closed) if it moves no byte for closeLinger,
-// or the Conn's session ends. Both are closed when Relay returns.
+// sent before is still delivered, then the other side is half-closed and
+// given closeFlush to close too, then both are closed. Meanwhile what the
+// other side sends toward the Conn is read and dropped (its peer reads no
+// more, and a side blocked writing may stop reading what it is sent). The
+// delivery is given up, both sides cut and the result an error, if it moves
+// no byte for closeLinger or the Conn's session ends first. Both are closed
+// when Relay returns.
 //
 // Copies go through io.Copy, so a Conn on either side moves its buffers
 // without an extra copy (Conn implements io.ReaderFrom and io.WriterTo).
 func Relay(a, b net.Conn) RelayResult {
-	r := &relay{conns: [2]net.Conn{a, b}, done: make(chan struct{})}
+	return relayWith(a, b, closeLinger)
+}
+
+const (
+	// closeLinger bounds a stalled delivery of what a Conn's peer sent
+	// before it closed the Conn (see Relay).
+	closeLinger = 30 * time.Second
+	// closeFlush is how long a side given the last bytes and a half-close
+	// after its peer closed may take to close too (reading what it still
+	// sends, so that the close does not reset away what it was sent).
+	closeFlush = time.Second
+	// lingerBatch is the write batch of a Conn in delivery after its
+	// peer's close, small so its progress shows (Conn.Counts).
+	lingerBatch = 16 << 10
+)
+
+// errDeliveryCut is the result of a relay that gave up delivering what a
+// Conn's peer sent before it closed.
+var errDeliveryCut = errors.New("tunnel: the connection's peer closed, and what it sent could not all be delivered")
+
+// relayWith is Relay with the stall bound of a delivery after a peer's
+// close.
+func relayWith(a, b net.Conn, linger time.Duration) RelayResult {
+	r := &relay{conns: [2]net.Conn{a, b}, done: make(chan struct{}), linger: linger}
+	for i := range r.copied {
+		r.copied[i] = make(chan struct{})
+	}
 	for i, x := range r.conns {
 		if vc, ok := x.(*Conn); ok {
 			vc.whenBroken(func() { r.broken(i, vc) })
@@ -62,21 +89,15 @@ func Relay(a, b net.Conn) RelayResult {
 	return r.res
 }
 
-// closeLinger bounds the delivery of what a Conn's peer sent before it
-// closed the Conn: if the other side takes none of it for this long, the
-// relay ends without the rest, as it would have at the close.
-const closeLinger = 10 * time.Second
-
 // relay is one Relay call.
 type relay struct {
-	conns [2]net.Conn
-	res   RelayResult
-	once  sync.Once
-	wg    sync.WaitGroup
-	done  chan struct{} // closed when Relay returns
-	// For each side: its reader is done (everything it had is copied),
-	// and its peer closed it (a Conn's CANCELED).
-	readDone, peerClosed [2]atomic.Bool
+	conns  [2]net.Conn
+	linger time.Duration
+	res    RelayResult
+	once   sync.Once
+	wg     sync.WaitGroup
+	done   chan struct{}    // closed when Relay returns
+	copied [2]chan struct{} // closed when side i's reader is done
 }
 
 // abort ends the relay: a nil err closes both sides, another cuts them.
@@ -99,27 +120,16 @@ func (r *relay) broken(i int, vc *Conn) {
 		r.abort(err)
 		return
 	}
-	r.peerClosed[i].Store(true)
-	if !r.closedByPeer(i) {
-		go r.linger(vc)
-	}
+	vc.SetWriteToBatch(lingerBatch)
+	go r.afterPeerClose(i, vc)
 }
 
-// closedByPeer ends the relay once side i's peer closed it and the bytes
-// it sent before are copied, whichever of the two comes last; it reports
-// whether it did.
-func (r *relay) closedByPeer(i int) bool {
-	if r.peerClosed[i].Load() && r.readDone[i].Load() {
-		r.abort(nil)
-		return true
-	}
-	return false
-}
-
-// linger gives up the delivery out of vc, whose peer closed it, once it
-// moves no byte for closeLinger or vc's session ends.
-func (r *relay) linger(vc *Conn) {
-	tick := time.NewTicker(closeLinger / 10)
+// afterPeerClose ends the relay once side i's Conn vc, whose peer closed
+// it, delivered what it had and the other side had closeFlush to close
+// after its half-close; it gives the delivery up when it moves no byte for
+// r.linger or vc's session ends.
+func (r *relay) afterPeerClose(i int, vc *Conn) {
+	tick := time.NewTicker(r.linger / 10)
 	defer tick.Stop()
 	last, _ := vc.Counts()
 	moved := time.Now()
@@ -127,14 +137,32 @@ func (r *relay) linger(vc *Conn) {
 		select {
 		case <-r.done:
 			return
+		case <-r.copied[i]:
+			flush := time.NewTimer(closeFlush)
+			defer flush.Stop()
+			select {
+			case <-r.done:
+			case <-flush.C:
+				r.abort(nil)
+			}
+			return
 		case <-vc.Session().Done():
-			r.abort(nil)
+			if !isClosedChan(r.copied[i]) {
+				r.abort(errDeliveryCut)
+				return
+			}
+			// Delivered as the session ended: the flush as above.
+			select {
+			case <-r.done:
+			case <-time.After(closeFlush):
+				r.abort(nil)
+			}
 			return
 		case now := <-tick.C:
 			if n, _ := vc.Counts(); n != last {
 				last, moved = n, now
-			} else if now.Sub(moved) >= closeLinger {
-				r.abort(nil)
+			} else if now.Sub(moved) >= r.linger && !isClosedChan(r.copied[i]) {
+				r.abort(errDeliveryCut)
 				return
 			}
 		}
@@ -147,29 +175,23 @@ func (r *relay) pipe(i int, n *int64) {
 	src, dst := r.conns[i], r.conns[1-i]
 	var err error
 	*n, err = io.Copy(dst, src)
-	r.readDone[i].Store(true)
-	if r.peerClosed[i].Load() || (err != nil && closedBy(src, err)) {
-		r.peerClosed[i].Store(true)
-		r.closedByPeer(i)
-		return
-	}
-	if err != nil && closedBy(dst, err) {
-		// dst's peer closed it and reads no more: drop what src sends
-		// until the relay ends (closedByPeer, linger), so that src does
-		// not block writing while its own reader waits on it.
-		io.Copy(io.Discard, src)
-		return
-	}
+	close(r.copied[i])
 	switch {
-	case err != nil && !isClosedErr(err):
-		r.abort(err)
-	case err != nil:
-		r.abort(nil)
-	default:
+	case err == nil || closedBy(src, err):
+		// EOF, or the peer's close without one: half-close dst.
 		if cw, ok := dst.(closeWriter); ok && cw.CloseWrite() == nil {
 			return
 		}
 		r.abort(nil)
+	case closedBy(dst, err):
+		// dst's peer closed it and reads no more: drop what src sends
+		// until the relay ends (afterPeerClose), so that src does not
+		// block writing while its own reader waits on it.
+		io.Copy(io.Discard, src)
+	case isClosedErr(err):
+		r.abort(nil)
+	default:
+		r.abort(err)
 	}
 }
 

@@ -128,10 +128,11 @@ func TestRelayDeliversWhatAPeerSentBeforeClosing(t *testing.T) {
 
 // TestRelayAfterPeerCloseNeverHangs: after the peer's close (CANCELED) the
 // relay still delivers what it had, but never waits for good on the real
-// side: an echo upstream blocked writing its answers (the closed peer reads
-// none) gets them read and dropped, so it reads the rest and the relay
-// ends; one that reads nothing is given up when the Conn's session ends,
-// or after closeLinger without progress.
+// side. An echo upstream blocked writing answers nobody reads (the closed
+// peer reads none) gets them read and dropped, so it reads the rest: every
+// byte the client wrote arrives, then EOF, and the relay ends. One that
+// reads nothing is given up, both cut and the result an error, when the
+// Conn's session ends or after the linger without progress.
 func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 	t.Run("echo upstream", func(t *testing.T) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -145,20 +146,30 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 			c.(*net.TCPConn).SetReadBuffer(4096)
 			c.(*net.TCPConn).SetWriteBuffer(4096)
 		}
+		echoed := make(chan int64, 1)
 		go func() {
 			c, err := ln.Accept()
-			if err == nil {
-				small(c)
-				io.Copy(c, c)
-				c.Close()
+			if err != nil {
+				return
 			}
+			small(c)
+			n, err := io.Copy(c, c)
+			if err != nil {
+				n = -1 // not a clean EOF
+			}
+			c.Close()
+			echoed <- n
 		}()
 		node, agent := sessionPair(t, transports[0], Config{}, Config{})
 		nc, err := node.Open(ConnectInfo{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		go nc.Write(make([]byte, 64<<20)) // uploads, and never reads the echo
+		written := make(chan int, 1)
+		go func() { // uploads, and never reads the echo
+			n, _ := nc.Write(make([]byte, 64<<20))
+			written <- n
+		}()
 		ac := accept(t, agent)
 		up, err := net.Dial("tcp", ln.Addr().String())
 		if err != nil {
@@ -174,6 +185,7 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 			return nc.Buffered() >= InitialWindow && ac.Buffered() >= InitialWindow
 		})
 		nc.Close()
+		sent := <-written
 		select {
 		case res := <-relayed:
 			if res.Err != nil {
@@ -182,8 +194,17 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 		case <-time.After(closeLinger / 2):
 			t.Fatal("the relay still runs after the client closed (the echo blocked on answers nobody reads)")
 		}
+		select {
+		case n := <-echoed:
+			if n != int64(sent) {
+				t.Fatalf("the echo read %d bytes then EOF (-1: an error), want the %d the client wrote", n, sent)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the echo never saw the end")
+		}
 	})
-	stalled := func(t *testing.T) (ac *Conn, agent *Session, relayed chan RelayResult) {
+	const linger = 2 * time.Second
+	stalled := func(t *testing.T) (agent *Session, relayed chan RelayResult) {
 		node, agent := sessionPair(t, transports[0], Config{}, Config{})
 		nc, err := node.Open(ConnectInfo{})
 		if err != nil {
@@ -192,17 +213,17 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 		if _, err := nc.Write(make([]byte, 1024)); err != nil {
 			t.Fatal(err)
 		}
-		ac = accept(t, agent)
+		ac := accept(t, agent)
 		up, never := net.Pipe() // an upstream that reads nothing
 		t.Cleanup(func() { never.Close() })
 		relayed = make(chan RelayResult, 1)
-		go func() { relayed <- Relay(up, ac) }()
+		go func() { relayed <- relayWith(up, ac, linger) }()
 		nc.Close()
 		eventually(t, 5*time.Second, "the CANCELED reached the agent", ac.isBroken)
-		return ac, agent, relayed
+		return agent, relayed
 	}
 	t.Run("upstream reads nothing, session ends", func(t *testing.T) {
-		_, agent, relayed := stalled(t)
+		agent, relayed := stalled(t)
 		select {
 		case <-relayed:
 			t.Fatal("the relay gave up the delivery at once")
@@ -210,22 +231,27 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 		}
 		agent.Close()
 		select {
-		case <-relayed:
+		case res := <-relayed:
+			if !errors.Is(res.Err, errDeliveryCut) {
+				t.Errorf("result %v, want errDeliveryCut", res.Err)
+			}
 		case <-time.After(5 * time.Second):
 			t.Fatal("the relay still runs after its session ended")
 		}
 	})
 	t.Run("upstream reads nothing, linger", func(t *testing.T) {
-		t.Parallel() // waits closeLinger
 		start := time.Now()
-		_, _, relayed := stalled(t)
+		_, relayed := stalled(t)
 		select {
-		case <-relayed:
-			if d := time.Since(start); d < closeLinger {
-				t.Fatalf("the relay gave up after %v, before closeLinger (%v)", d, closeLinger)
+		case res := <-relayed:
+			if d := time.Since(start); d < linger {
+				t.Fatalf("the relay gave up after %v, before the linger (%v)", d, linger)
 			}
-		case <-time.After(closeLinger + 5*time.Second):
-			t.Fatal("the relay still runs past closeLinger")
+			if !errors.Is(res.Err, errDeliveryCut) {
+				t.Errorf("result %v, want errDeliveryCut", res.Err)
+			}
+		case <-time.After(linger + 5*time.Second):
+			t.Fatal("the relay still runs past the linger")
 		}
 	})
 }
