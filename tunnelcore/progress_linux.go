@@ -32,3 +32,28 @@ func bytesAcked(rc syscall.RawConn) uint64 {
 	})
 	return acked
 }
+
+// sendQueue returns a reader of the bytes c's socket holds that its peer
+// has not acknowledged (SIOCOUTQ: not sent yet, or in flight), or nil when c
+// is not a TCP connection. Closing a socket while it holds bytes its peer
+// has not read can lose them: a close with unread input resets the
+// connection, and the reset drops the send queue.
+func sendQueue(c net.Conn) func() int {
+	tc := tcpConnOf(c)
+	if tc == nil {
+		return nil
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return func() int {
+		n := 0
+		_ = rc.Control(func(fd uintptr) {
+			if q, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ); err == nil {
+				n = q
+			}
+		})
+		return n
+	}
+}

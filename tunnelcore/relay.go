@@ -28,19 +28,19 @@ type RelayResult struct {
 // propagating half-closes: when one side's reader reaches EOF, the other
 // side's writer is closed with CloseWrite (or Close when it cannot
 // half-close) and the opposite direction continues. An error in either
-// direction closes both connections, as does a Conn on either side
-// breaking (aborted by either end, or its session ended): the real
-// connection's read would otherwise wait for a peer that may never speak
-// again.
+// direction cuts both connections (a Conn is aborted, a TCP connection
+// reset) and is the result, as does a Conn on either side breaking (aborted
+// by either end, or its session ended): the real connection's read would
+// otherwise wait for a peer that may never speak again.
 //
 // A Conn whose peer closed it (CANCELED) is the exception: what the peer
-// sent before is still delivered, then the other side is half-closed and
-// given closeFlush to close too, then both are closed. Meanwhile what the
-// other side sends toward the Conn is read and dropped (its peer reads no
-// more, and a side blocked writing may stop reading what it is sent). The
-// delivery is given up, both sides cut and the result an error, if it moves
-// no byte for closeLinger or the Conn's session ends first. Both are closed
-// when Relay returns.
+// sent before is still delivered, then the other side is half-closed, and
+// both are closed once it acknowledged every byte (a TCP connection; others
+// get closeFlush) or closed too. Meanwhile what the other side sends toward
+// the Conn is read and dropped (its peer reads no more, and a side blocked
+// writing may stop reading what it is sent). The delivery is given up,
+// both cut and the result errDeliveryCut, if it makes no progress for
+// closeLinger or the Conn's session ends first.
 //
 // Copies go through io.Copy, so a Conn on either side moves its buffers
 // without an extra copy (Conn implements io.ReaderFrom and io.WriterTo).
@@ -49,16 +49,18 @@ func Relay(a, b net.Conn) RelayResult {
 }
 
 const (
-	// closeLinger bounds a stalled delivery of what a Conn's peer sent
-	// before it closed the Conn (see Relay).
+	// closeLinger bounds a delivery, after a Conn's peer closed it, that
+	// makes no progress (see Relay).
 	closeLinger = 30 * time.Second
-	// closeFlush is how long a side given the last bytes and a half-close
-	// after its peer closed may take to close too (reading what it still
-	// sends, so that the close does not reset away what it was sent).
+	// closeFlush is how long a side that is not a TCP connection, given
+	// the last bytes and a half-close after its peer closed, may take to
+	// close too.
 	closeFlush = time.Second
 	// lingerBatch is the write batch of a Conn in delivery after its
 	// peer's close, small so its progress shows (Conn.Counts).
 	lingerBatch = 16 << 10
+	// lingerPoll is how often a delivery after a peer's close is checked.
+	lingerPoll = 50 * time.Millisecond
 )
 
 // errDeliveryCut is the result of a relay that gave up delivering what a
@@ -125,43 +127,51 @@ func (r *relay) broken(i int, vc *Conn) {
 }
 
 // afterPeerClose ends the relay once side i's Conn vc, whose peer closed
-// it, delivered what it had and the other side had closeFlush to close
-// after its half-close; it gives the delivery up when it moves no byte for
-// r.linger or vc's session ends.
+// it, delivered what it had to the other side and that side acknowledged
+// it (or closed too); it gives the delivery up when it makes no progress
+// for r.linger or vc's session ends first.
 func (r *relay) afterPeerClose(i int, vc *Conn) {
-	tick := time.NewTicker(r.linger / 10)
+	other := r.conns[1-i]
+	queued, acked := sendQueue(other), socketProgress(other)
+	progress := func() uint64 {
+		n, _ := vc.Counts()
+		if acked != nil {
+			n += int64(acked()) // bytes the peer took of an in-flight write
+		}
+		return uint64(n)
+	}
+	tick := time.NewTicker(lingerPoll)
 	defer tick.Stop()
-	last, _ := vc.Counts()
-	moved := time.Now()
+	sessionDone := vc.Session().Done()
+	last, moved := progress(), time.Now()
+	var flushBy time.Time // without a send queue to watch, once delivered
 	for {
 		select {
 		case <-r.done:
 			return
-		case <-r.copied[i]:
-			flush := time.NewTimer(closeFlush)
-			defer flush.Stop()
-			select {
-			case <-r.done:
-			case <-flush.C:
-				r.abort(nil)
-			}
-			return
-		case <-vc.Session().Done():
+		case <-sessionDone:
 			if !isClosedChan(r.copied[i]) {
 				r.abort(errDeliveryCut)
 				return
 			}
-			// Delivered as the session ended: the flush as above.
-			select {
-			case <-r.done:
-			case <-time.After(closeFlush):
-				r.abort(nil)
-			}
-			return
+			sessionDone = nil // delivered: the flush below still applies
 		case now := <-tick.C:
-			if n, _ := vc.Counts(); n != last {
+			if n := progress(); n != last {
 				last, moved = n, now
-			} else if now.Sub(moved) >= r.linger && !isClosedChan(r.copied[i]) {
+			}
+			if isClosedChan(r.copied[i]) {
+				switch {
+				case queued != nil && queued() == 0:
+					r.abort(nil) // every byte acknowledged
+					return
+				case queued == nil && flushBy.IsZero():
+					flushBy = now.Add(closeFlush)
+				case queued == nil && now.After(flushBy):
+					r.abort(nil)
+					return
+				}
+			}
+			if now.Sub(moved) >= r.linger {
 				r.abort(errDeliveryCut)
 				return
 			}
@@ -188,10 +198,10 @@ func (r *relay) pipe(i int, n *int64) {
 		// until the relay ends (afterPeerClose), so that src does not
 		// block writing while its own reader waits on it.
 		io.Copy(io.Discard, src)
-	case isClosedErr(err):
+	case isClosedErr(err) && !errors.Is(err, ErrSessionClosed):
 		r.abort(nil)
 	default:
-		r.abort(err)
+		r.abort(err) // a session's end too: the stream was cut short
 	}
 }
 

@@ -1,11 +1,13 @@
 package tunnelcore
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"io"
 	"net"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 	"unicode/utf8"
@@ -254,6 +256,190 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 			t.Fatal("the relay still runs past the linger")
 		}
 	})
+}
+
+// TestRelaySessionEndIsACut: the node's session ends (its stream closes
+// cleanly: the agent's Recv reads io.EOF, as a gRPC client does when the
+// server handler returns) while the agent relays mid-stream (the node sent
+// some bytes, no FIN). The relay must cut the upstream (RST) and report an
+// error; a clean FIN passes a truncated stream off as whole.
+func TestRelaySessionEndIsACut(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tr transport) {
+		for range 20 {
+			node, agent := sessionPair(t, tr, Config{}, Config{})
+			nc, err := node.Open(ConnectInfo{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := nc.Write([]byte("partial")); err != nil {
+				t.Fatal(err)
+			}
+			ac := accept(t, agent)
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			upErr := make(chan error, 1)
+			go func() {
+				c, err := ln.Accept()
+				if err != nil {
+					upErr <- err
+					return
+				}
+				defer c.Close()
+				c.SetReadDeadline(time.Now().Add(10 * time.Second))
+				_, err = io.ReadAll(c)
+				upErr <- err
+			}()
+			uc, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			relayed := make(chan RelayResult, 1)
+			go func() { relayed <- Relay(uc, ac) }()
+			eventually(t, 5*time.Second, "delivered", func() bool { r, _ := ac.Counts(); return r == 7 })
+			node.Close()
+			res := <-relayed
+			uerr := <-upErr
+			ln.Close()
+			if res.Err == nil || !errors.Is(uerr, syscall.ECONNRESET) {
+				t.Fatalf("session end: relay result %v, upstream read end %v; want an error and a reset", res.Err, uerr)
+			}
+		}
+	})
+}
+
+// TestRelayDeliversToASlowEcho: the client writes 2 MiB and closes
+// (DATA, FIN, CANCELED). The upstream is an echo that reads slowly (16 KiB
+// every 20 ms, ~0.8 MB/s): the agent hands every byte to the kernel well
+// within a second, so closeFlush starts while most of the stream is still
+// in the socket buffers. At the flush the relay closes the upstream socket,
+// which then gets an echo and resets: the upstream reads a truncated stream
+// and a reset, while the relay reports a clean end.
+func TestRelayDeliversToASlowEcho(t *testing.T) {
+	const total = 2 << 20
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	type end struct {
+		n   int64
+		err error
+	}
+	echoed := make(chan end, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 16<<10)
+		var n int64
+		for {
+			m, err := c.Read(buf)
+			n += int64(m)
+			if m > 0 {
+				c.Write(buf[:m])
+			}
+			if err != nil {
+				if err == io.EOF {
+					err = nil
+				}
+				echoed <- end{n, err}
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	node, agent := sessionPair(t, transports[0], Config{}, Config{})
+	nc, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	up, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayed := make(chan RelayResult, 1)
+	go func() { relayed <- Relay(up, ac) }()
+	// The client reads nothing of the echo, writes, then closes.
+	if _, err := nc.Write(make([]byte, total)); err != nil {
+		t.Fatal(err)
+	}
+	nc.Close()
+	res := <-relayed
+	e := <-echoed
+	if res.Err != nil || e.n != total || e.err != nil {
+		t.Fatalf("relay result %v; the upstream read %d of %d bytes, then %v; want all of them, EOF and a clean result", res.Err, e.n, total, e.err)
+	}
+}
+
+// TestRelaySteadySlowReaderIsNotCut: an upstream that reads steadily (16
+// KiB/s, 2 KiB every 125 ms, small socket buffers) but takes longer than the
+// linger for the write batch taken before the peer's close. What its socket
+// acknowledges counts as progress, so the delivery completes.
+func TestRelaySteadySlowReaderIsNotCut(t *testing.T) {
+	const linger = 2 * time.Second
+	// A small receive buffer from the handshake on (set on the listener),
+	// so that the window stays small and the reader's pace shows in
+	// what the socket acknowledges.
+	lc := net.ListenConfig{Control: func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
+		return serr
+	}}
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	read := make(chan int64, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 2048)
+		var n int64
+		for {
+			m, err := io.ReadFull(c, buf)
+			n += int64(m)
+			if err != nil {
+				read <- n
+				return
+			}
+			time.Sleep(125 * time.Millisecond)
+		}
+	}()
+	node, agent := sessionPair(t, transports[0], Config{}, Config{})
+	nc, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	up, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	up.(*net.TCPConn).SetWriteBuffer(4096)
+	relayed := make(chan RelayResult, 1)
+	go func() { relayed <- relayWith(up, ac, linger) }()
+	const total = 64 << 10
+	if _, err := nc.Write(make([]byte, total)); err != nil {
+		t.Fatal(err)
+	}
+	nc.Close()
+	select {
+	case res := <-relayed:
+		if n := <-read; res.Err != nil || n != total {
+			t.Fatalf("relay result %v after the upstream read %d of %d bytes steadily", res.Err, n, total)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the delivery did not end")
+	}
 }
 
 // TestWriteToBatchShowsProgressPerPiece: with a small write batch, WriteTo
