@@ -250,6 +250,16 @@ func LoadFile(path string) (*Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config file: %w", err)
 	}
+	c, err := parseConfig(data)
+	if err != nil {
+		return nil, fmt.Errorf("config file %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// parseConfig reads one YAML document of Config fields (none: an empty
+// Config); unknown fields are errors.
+func parseConfig(data []byte) (*Config, error) {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
 	c := new(Config)
@@ -257,11 +267,11 @@ func LoadFile(path string) (*Config, error) {
 		if errors.Is(err, io.EOF) {
 			return c, nil // empty file
 		}
-		return nil, fmt.Errorf("config file %s: %w", path, explainYAML(data, err))
+		return nil, explainYAML(data, err)
 	}
 	var extra yaml.Node
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("config file %s: more than one YAML document", path)
+		return nil, errors.New("more than one YAML document")
 	}
 	return c, nil
 }

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -626,4 +627,37 @@ func TestNamedTCPServicesAreNotCatchAlls(t *testing.T) {
 			t.Fatalf("named tcp:// services taken for the catch-all, or %s not", catchAll.Target)
 		}
 	}
+}
+
+// FuzzParseConfig: no YAML makes the config reader panic, and an error
+// that names a field names one of the document's (explainYAML never
+// invents a path).
+func FuzzParseConfig(f *testing.F) {
+	for _, s := range []string{
+		"server: grpc://a:1\nshutdown_grace: 30\n",
+		"upstreams:\n  - host: a\n    targt: x\n  - {name: b, target: 'tcp://b:1', listen_port: oops}\n",
+		"log_level: &g 30\nshutdown_grace: *g\n",
+		"<<: {a: 1}\nupstreams: [1, [2], {x: y}]\n",
+		"? [a, b]\n: c\n",
+		"max_connections: many\nservr: x\n",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		_, err := parseConfig(data)
+		if err == nil {
+			return
+		}
+		// "path (line N): ..." names a field the document has.
+		msg := err.Error()
+		if i := strings.Index(msg, " (line "); i > 0 && !strings.Contains(msg[:i], " ") && !strings.Contains(msg[:i], ";") {
+			last := msg[:i]
+			if j := strings.LastIndexAny(last, ".]"); j >= 0 {
+				last = last[j+1:]
+			}
+			if last != "" && !bytes.Contains(data, []byte(last)) {
+				t.Fatalf("error %q names %q, which the document does not have", msg, last)
+			}
+		}
+	})
 }
