@@ -28,7 +28,7 @@ func FuzzUnmarshalEnvelope(f *testing.F) {
 		f.Add(b.Materialize(), 3)
 	}
 	f.Add([]byte{0x22, 0xff, 0xff, 0xff, 0xff, 0x0f}, 1) // a DATA length past the end
-	f.Add([]byte{0x22, 0x03, 0x12, 0x80, 0x80}, 2)        // a payload length past the end
+	f.Add([]byte{0x22, 0x03, 0x12, 0x80, 0x80}, 2)       // a payload length past the end
 	f.Fuzz(func(t *testing.T, data []byte, split int) {
 		if split < 0 || split > len(data) {
 			split = len(data) / 2

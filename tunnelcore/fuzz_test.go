@@ -3,8 +3,8 @@ package tunnelcore
 import (
 	"context"
 	"fmt"
-	"runtime"
 	"io"
+	"runtime"
 	"testing"
 	"time"
 
