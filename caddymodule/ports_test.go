@@ -74,21 +74,7 @@ func TestPortServingOutlivesAnAcceptError(t *testing.T) {
 // ports, binds nothing: the port would otherwise stay bound to a dead
 // session, refusing every other agent.
 func TestLateAdvertiseClaimsNothingForAnEndedSession(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	n := newNode("test", ln, nil, zap.NewNop())
-	defer n.drainNow()
-	defer n.ports.closeAll()
-	probe, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := uint32(probe.Addr().(*net.TCPAddr).Port)
-	probe.Close()
-	n.opts.Store(&nodeOptions{portRange: portRange{lo: port, hi: port}, tcpBind: "127.0.0.1"})
+	n, port := portTestNode(t)
 
 	a, b := tunnelcore.Pipe(4)
 	defer b.Close(nil)

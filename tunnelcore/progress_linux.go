@@ -12,6 +12,15 @@ import (
 // leaves the watchdog timing blocked Sends alone), or nil when c is not a
 // TCP connection.
 func socketProgress(c net.Conn) func() uint64 {
+	rc := rawTCPConn(c)
+	if rc == nil {
+		return nil
+	}
+	return func() uint64 { return bytesAcked(rc) }
+}
+
+// rawTCPConn is the TCP socket under c, or nil when there is none.
+func rawTCPConn(c net.Conn) syscall.RawConn {
 	tc := tcpConnOf(c)
 	if tc == nil {
 		return nil
@@ -20,7 +29,7 @@ func socketProgress(c net.Conn) func() uint64 {
 	if err != nil {
 		return nil
 	}
-	return func() uint64 { return bytesAcked(rc) }
+	return rc
 }
 
 func bytesAcked(rc syscall.RawConn) uint64 {
@@ -39,12 +48,8 @@ func bytesAcked(rc syscall.RawConn) uint64 {
 // has not read can lose them: a close with unread input resets the
 // connection, and the reset drops the send queue.
 func sendQueue(c net.Conn) func() int {
-	tc := tcpConnOf(c)
-	if tc == nil {
-		return nil
-	}
-	rc, err := tc.SyscallConn()
-	if err != nil {
+	rc := rawTCPConn(c)
+	if rc == nil {
 		return nil
 	}
 	return func() int {

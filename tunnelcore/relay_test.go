@@ -128,6 +128,69 @@ func TestRelayDeliversWhatAPeerSentBeforeClosing(t *testing.T) {
 	}
 }
 
+// serveOnce listens on loopback (with lc's options; nil for the defaults),
+// runs serve on the first connection it accepts, and returns a connection
+// dialed to it. Both are closed at cleanup.
+func serveOnce(t *testing.T, lc *net.ListenConfig, serve func(net.Conn)) *net.TCPConn {
+	t.Helper()
+	if lc == nil {
+		lc = &net.ListenConfig{}
+	}
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		serve(c)
+	}()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c.(*net.TCPConn)
+}
+
+// relayed is a connection the node of a new session pair opened (nc),
+// whose agent end (ac) a relay joins to an upstream in the background.
+type relayed struct {
+	node, agent *Session
+	nc, ac      *Conn
+	result      chan RelayResult
+}
+
+// relayTo opens a connection over tr and relays its agent end to up with
+// relay (Relay, or relayWith with a short linger).
+func relayTo(t *testing.T, tr transport, up net.Conn, relay func(a, b net.Conn) RelayResult) *relayed {
+	t.Helper()
+	r := &relayed{result: make(chan RelayResult, 1)}
+	r.node, r.agent = sessionPair(t, tr, Config{}, Config{})
+	var err error
+	if r.nc, err = r.node.Open(ConnectInfo{}); err != nil {
+		t.Fatal(err)
+	}
+	r.ac = accept(t, r.agent)
+	go func() { r.result <- relay(up, r.ac) }()
+	return r
+}
+
+// lingering relays with a linger of d.
+func lingering(d time.Duration) func(a, b net.Conn) RelayResult {
+	return func(a, b net.Conn) RelayResult { return relayWith(a, b, d) }
+}
+
+// smallBuffers gives a TCP connection 4 KiB socket buffers.
+func smallBuffers(c net.Conn) {
+	c.(*net.TCPConn).SetReadBuffer(4096)
+	c.(*net.TCPConn).SetWriteBuffer(4096)
+}
+
 // TestRelayAfterPeerCloseNeverHangs: after the peer's close (CANCELED) the
 // relay still delivers what it had, but never waits for good on the real
 // side. An echo upstream blocked writing answers nobody reads (the closed
@@ -137,59 +200,35 @@ func TestRelayDeliversWhatAPeerSentBeforeClosing(t *testing.T) {
 // Conn's session ends or after the linger without progress.
 func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 	t.Run("echo upstream", func(t *testing.T) {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer ln.Close()
 		// Small socket buffers, so that what the agent holds for the echo
 		// is more than the sockets between them can take.
-		small := func(c net.Conn) {
-			c.(*net.TCPConn).SetReadBuffer(4096)
-			c.(*net.TCPConn).SetWriteBuffer(4096)
-		}
 		echoed := make(chan int64, 1)
-		go func() {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			small(c)
+		up := serveOnce(t, nil, func(c net.Conn) {
+			smallBuffers(c)
 			n, err := io.Copy(c, c)
 			if err != nil {
 				n = -1 // not a clean EOF
 			}
 			c.Close()
 			echoed <- n
-		}()
-		node, agent := sessionPair(t, transports[0], Config{}, Config{})
-		nc, err := node.Open(ConnectInfo{})
-		if err != nil {
-			t.Fatal(err)
-		}
+		})
+		smallBuffers(up)
+		r := relayTo(t, transports[0], up, Relay)
 		written := make(chan int, 1)
 		go func() { // uploads, and never reads the echo
-			n, _ := nc.Write(make([]byte, 64<<20))
+			n, _ := r.nc.Write(make([]byte, 64<<20))
 			written <- n
 		}()
-		ac := accept(t, agent)
-		up, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		small(up)
-		relayed := make(chan RelayResult, 1)
-		go func() { relayed <- Relay(up, ac) }()
 		// The echo fills the window the client never reads, then its own
 		// socket buffers: blocked writing, it stops reading, and what the
 		// client sent piles up at the agent.
 		eventually(t, 20*time.Second, "the echo to block", func() bool {
-			return nc.Buffered() >= InitialWindow && ac.Buffered() >= InitialWindow
+			return r.nc.Buffered() >= InitialWindow && r.ac.Buffered() >= InitialWindow
 		})
-		nc.Close()
+		r.nc.Close()
 		sent := <-written
 		select {
-		case res := <-relayed:
+		case res := <-r.result:
 			if res.Err != nil {
 				t.Errorf("the relay reported %v for a connection its peer closed", res.Err)
 			}
@@ -206,34 +245,27 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 		}
 	})
 	const linger = 2 * time.Second
-	stalled := func(t *testing.T) (agent *Session, relayed chan RelayResult) {
-		node, agent := sessionPair(t, transports[0], Config{}, Config{})
-		nc, err := node.Open(ConnectInfo{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := nc.Write(make([]byte, 1024)); err != nil {
-			t.Fatal(err)
-		}
-		ac := accept(t, agent)
+	stalled := func(t *testing.T) *relayed {
 		up, never := net.Pipe() // an upstream that reads nothing
 		t.Cleanup(func() { never.Close() })
-		relayed = make(chan RelayResult, 1)
-		go func() { relayed <- relayWith(up, ac, linger) }()
-		nc.Close()
-		eventually(t, 5*time.Second, "the CANCELED reached the agent", ac.isBroken)
-		return agent, relayed
+		r := relayTo(t, transports[0], up, lingering(linger))
+		if _, err := r.nc.Write(make([]byte, 1024)); err != nil {
+			t.Fatal(err)
+		}
+		r.nc.Close()
+		eventually(t, 5*time.Second, "the CANCELED reached the agent", r.ac.isBroken)
+		return r
 	}
 	t.Run("upstream reads nothing, session ends", func(t *testing.T) {
-		agent, relayed := stalled(t)
+		r := stalled(t)
 		select {
-		case <-relayed:
+		case <-r.result:
 			t.Fatal("the relay gave up the delivery at once")
 		default:
 		}
-		agent.Close()
+		r.agent.Close()
 		select {
-		case res := <-relayed:
+		case res := <-r.result:
 			if !errors.Is(res.Err, errDeliveryCut) {
 				t.Errorf("result %v, want errDeliveryCut", res.Err)
 			}
@@ -243,9 +275,9 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 	})
 	t.Run("upstream reads nothing, linger", func(t *testing.T) {
 		start := time.Now()
-		_, relayed := stalled(t)
+		r := stalled(t)
 		select {
-		case res := <-relayed:
+		case res := <-r.result:
 			if d := time.Since(start); d < linger {
 				t.Fatalf("the relay gave up after %v, before the linger (%v)", d, linger)
 			}
@@ -266,74 +298,40 @@ func TestRelayAfterPeerCloseNeverHangs(t *testing.T) {
 func TestRelaySessionEndIsACut(t *testing.T) {
 	forEachTransport(t, func(t *testing.T, tr transport) {
 		for range 20 {
-			node, agent := sessionPair(t, tr, Config{}, Config{})
-			nc, err := node.Open(ConnectInfo{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := nc.Write([]byte("partial")); err != nil {
-				t.Fatal(err)
-			}
-			ac := accept(t, agent)
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
 			upErr := make(chan error, 1)
-			go func() {
-				c, err := ln.Accept()
-				if err != nil {
-					upErr <- err
-					return
-				}
-				defer c.Close()
+			up := serveOnce(t, nil, func(c net.Conn) {
 				c.SetReadDeadline(time.Now().Add(10 * time.Second))
-				_, err = io.ReadAll(c)
+				_, err := io.ReadAll(c)
 				upErr <- err
-			}()
-			uc, err := net.Dial("tcp", ln.Addr().String())
-			if err != nil {
+			})
+			r := relayTo(t, tr, up, Relay)
+			if _, err := r.nc.Write([]byte("partial")); err != nil {
 				t.Fatal(err)
 			}
-			relayed := make(chan RelayResult, 1)
-			go func() { relayed <- Relay(uc, ac) }()
-			eventually(t, 5*time.Second, "delivered", func() bool { r, _ := ac.Counts(); return r == 7 })
-			node.Close()
-			res := <-relayed
-			uerr := <-upErr
-			ln.Close()
-			if res.Err == nil || !errors.Is(uerr, syscall.ECONNRESET) {
+			eventually(t, 5*time.Second, "delivered", func() bool { n, _ := r.ac.Counts(); return n == 7 })
+			r.node.Close()
+			res := <-r.result
+			if uerr := <-upErr; res.Err == nil || !errors.Is(uerr, syscall.ECONNRESET) {
 				t.Fatalf("session end: relay result %v, upstream read end %v; want an error and a reset", res.Err, uerr)
 			}
 		}
 	})
 }
 
-// TestRelayDeliversToASlowEcho: the client writes 2 MiB and closes
-// (DATA, FIN, CANCELED). The upstream is an echo that reads slowly (16 KiB
-// every 20 ms, ~0.8 MB/s): the agent hands every byte to the kernel well
-// within a second, so closeFlush starts while most of the stream is still
-// in the socket buffers. At the flush the relay closes the upstream socket,
-// which then gets an echo and resets: the upstream reads a truncated stream
-// and a reset, while the relay reports a clean end.
+// TestRelayDeliversToASlowEcho: the client writes 2 MiB and closes (DATA,
+// FIN, CANCELED). The upstream is an echo that reads slowly (16 KiB every
+// 20 ms, ~0.8 MB/s): the agent hands every byte to its socket well before
+// the upstream has read them. The relay closes only once the upstream
+// acknowledged them: closing with the echo's bytes unread would reset the
+// connection and drop the tail of the stream.
 func TestRelayDeliversToASlowEcho(t *testing.T) {
 	const total = 2 << 20
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	type end struct {
 		n   int64
 		err error
 	}
 	echoed := make(chan end, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
+	up := serveOnce(t, nil, func(c net.Conn) {
 		buf := make([]byte, 16<<10)
 		var n int64
 		for {
@@ -349,27 +347,16 @@ func TestRelayDeliversToASlowEcho(t *testing.T) {
 				echoed <- end{n, err}
 				return
 			}
-			time.Sleep(20 * time.Millisecond)
+			time.Sleep(20 * time.Millisecond) // the upstream's pace
 		}
-	}()
-	node, agent := sessionPair(t, transports[0], Config{}, Config{})
-	nc, err := node.Open(ConnectInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ac := accept(t, agent)
-	up, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	relayed := make(chan RelayResult, 1)
-	go func() { relayed <- Relay(up, ac) }()
+	})
+	r := relayTo(t, transports[0], up, Relay)
 	// The client reads nothing of the echo, writes, then closes.
-	if _, err := nc.Write(make([]byte, total)); err != nil {
+	if _, err := r.nc.Write(make([]byte, total)); err != nil {
 		t.Fatal(err)
 	}
-	nc.Close()
-	res := <-relayed
+	r.nc.Close()
+	res := <-r.result
 	e := <-echoed
 	if res.Err != nil || e.n != total || e.err != nil {
 		t.Fatalf("relay result %v; the upstream read %d of %d bytes, then %v; want all of them, EOF and a clean result", res.Err, e.n, total, e.err)
@@ -385,23 +372,13 @@ func TestRelaySteadySlowReaderIsNotCut(t *testing.T) {
 	// A small receive buffer from the handshake on (set on the listener),
 	// so that the window stays small and the reader's pace shows in
 	// what the socket acknowledges.
-	lc := net.ListenConfig{Control: func(_, _ string, rc syscall.RawConn) error {
+	lc := &net.ListenConfig{Control: func(_, _ string, rc syscall.RawConn) error {
 		var serr error
 		rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
 		return serr
 	}}
-	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	read := make(chan int64, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
+	up := serveOnce(t, lc, func(c net.Conn) {
 		buf := make([]byte, 2048)
 		var n int64
 		for {
@@ -411,29 +388,18 @@ func TestRelaySteadySlowReaderIsNotCut(t *testing.T) {
 				read <- n
 				return
 			}
-			time.Sleep(125 * time.Millisecond)
+			time.Sleep(125 * time.Millisecond) // the upstream's pace
 		}
-	}()
-	node, agent := sessionPair(t, transports[0], Config{}, Config{})
-	nc, err := node.Open(ConnectInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ac := accept(t, agent)
-	up, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	up.(*net.TCPConn).SetWriteBuffer(4096)
-	relayed := make(chan RelayResult, 1)
-	go func() { relayed <- relayWith(up, ac, linger) }()
+	})
+	up.SetWriteBuffer(4096)
+	r := relayTo(t, transports[0], up, lingering(linger))
 	const total = 64 << 10
-	if _, err := nc.Write(make([]byte, total)); err != nil {
+	if _, err := r.nc.Write(make([]byte, total)); err != nil {
 		t.Fatal(err)
 	}
-	nc.Close()
+	r.nc.Close()
 	select {
-	case res := <-relayed:
+	case res := <-r.result:
 		if n := <-read; res.Err != nil || n != total {
 			t.Fatalf("relay result %v after the upstream read %d of %d bytes steadily", res.Err, n, total)
 		}
