@@ -5,7 +5,9 @@ import (
 	"net"
 	"runtime"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 )
 
 // Knobs for tuning runs (environment): FRAME (MaxFrameSize), CHUNK (bytes per
@@ -31,6 +33,7 @@ func benchmarkStreams(b *testing.B, tr transport, n int) {
 	var ms0, ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms0)
 	b.SetBytes(int64(chunk * n))
+	cpu0 := processCPU()
 	b.ResetTimer()
 	var wg sync.WaitGroup
 	for i := range conns {
@@ -54,13 +57,24 @@ func benchmarkStreams(b *testing.B, tr transport, n int) {
 	}
 	wg.Wait()
 	b.StopTimer()
+	cpu := processCPU() - cpu0
 	runtime.ReadMemStats(&ms1)
 	mib := float64(b.N*chunk*n) / (1 << 20)
+	b.ReportMetric(cpu.Seconds()/(mib*(1<<20)/1e9), "cpu-s/GB")
 	b.ReportMetric(float64(ms1.Mallocs-ms0.Mallocs)/mib, "allocs/MiB")
 	for i := range conns {
 		conns[i].Close()
 		peers[i].Close()
 	}
+}
+
+// processCPU is the CPU time (user and system) the process has used.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 func BenchmarkStream(b *testing.B) {
@@ -94,6 +108,7 @@ func BenchmarkLoopbackTCP(b *testing.B) {
 	}
 	buf := make([]byte, 64<<10)
 	b.SetBytes(int64(len(buf)))
+	cpu0 := processCPU()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		if _, err := c.Write(buf); err != nil {
@@ -102,4 +117,6 @@ func BenchmarkLoopbackTCP(b *testing.B) {
 	}
 	c.Close()
 	<-done
+	b.StopTimer()
+	b.ReportMetric((processCPU()-cpu0).Seconds()/(float64(b.N*len(buf))/1e9), "cpu-s/GB")
 }

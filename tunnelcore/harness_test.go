@@ -31,6 +31,37 @@ type transport struct {
 var transports = []transport{
 	{"pipe", pipePair},
 	{"grpc", grpcPair},
+	{"lane", lanePair},
+}
+
+// lanePair connects two ConnStreams over a loopback TCP connection, the
+// data lane's transport.
+func lanePair(t testing.TB) (FrameStream, FrameStream) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := lis.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
+	client, err := net.Dial("tcp", lis.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	server, ok := <-accepted
+	if !ok {
+		t.Fatal("accept failed")
+	}
+	a, b := ConnStream(server), ConnStream(client)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	return a, b
 }
 
 func pipePair(t testing.TB) (FrameStream, FrameStream) {

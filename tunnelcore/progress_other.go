@@ -2,7 +2,10 @@
 
 package tunnelcore
 
-import "net"
+import (
+	"net"
+	"syscall"
+)
 
 // socketProgress has no portable source of delivered bytes off Linux: the
 // stall watchdog times blocked Sends alone there.
@@ -11,3 +14,5 @@ func socketProgress(net.Conn) func() uint64 { return nil }
 // sendQueue has no portable source off Linux: a relay then gives a real
 // side closeFlush after its half-close instead.
 func sendQueue(net.Conn) func() int { return nil }
+
+func syscallProgress(syscall.Conn) func() uint64 { return nil }
