@@ -73,6 +73,15 @@ type Config struct {
 	// process (docker stop: 10 s, Kubernetes: 30 s, systemd: 90 s).
 	// YAML takes Go durations ("30s").
 	ShutdownGrace time.Duration `yaml:"shutdown_grace"`
+	// DisableDataLane keeps every session on the gRPC stream. By default
+	// the agent takes the data lane a node offers: a second connection to
+	// the same address that carries the session's frames without HTTP/2
+	// framing, which costs both ends less CPU per byte (proto/README §2.4).
+	// When the lane cannot be opened (a proxy or load balancer in between
+	// that passes only gRPC), the session stays on the gRPC stream by
+	// itself; this setting spares that attempt. An HTTPS_PROXY that applies
+	// to the server turns the lane off as well.
+	DisableDataLane bool `yaml:"disable_data_lane"`
 
 	serverTLS  bool   // parsed Server: grpcs
 	serverAddr string // parsed Server: host:port
@@ -402,6 +411,7 @@ const (
 	EnvUpstreams      = "SLUICE_UPSTREAMS"
 	EnvTunnelBudget   = "SLUICE_TUNNEL_BUDGET"
 	EnvShutdownGrace  = "SLUICE_SHUTDOWN_GRACE"
+	EnvDisableLane    = "SLUICE_DISABLE_DATA_LANE"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -454,6 +464,14 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 			errs = append(errs, fmt.Errorf("%s: invalid duration %q", EnvShutdownGrace, v))
 		} else {
 			c.ShutdownGrace = d
+		}
+	}
+	if v := getenv(EnvDisableLane); v != "" {
+		b, err := strconv.ParseBool(strings.TrimSpace(v))
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: invalid boolean %q", EnvDisableLane, v))
+		} else {
+			c.DisableDataLane = b
 		}
 	}
 	if v := getenv(EnvUpstreams); v != "" {

@@ -89,6 +89,9 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 	if set["shutdown-grace"] {
 		c.ShutdownGrace = v.shutdownGrace
 	}
+	if set["disable-data-lane"] {
+		c.DisableDataLane = v.disableLane
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
@@ -113,7 +116,7 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 
 type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
-	insecure, version                                      bool
+	insecure, version, disableLane                         bool
 	maxConns                                               int
 	tunnelBudget                                           int64
 	shutdownGrace                                          time.Duration
@@ -136,6 +139,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
 	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
 	fs.DurationVar(&v.shutdownGrace, "shutdown-grace", 0, "on SIGINT/SIGTERM, how long open connections may finish; a second signal cuts them; 0 = "+DefaultShutdownGrace.String()+" ($"+EnvShutdownGrace+")")
+	fs.BoolVar(&v.disableLane, "disable-data-lane", false, "keep sessions on the gRPC stream: no second connection for the data lane ($"+EnvDisableLane+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	// Listed here so that -h shows it among the flags; ParseFlags answers
 	// it with ErrVersion.
@@ -170,6 +174,7 @@ Environment:
   %s  %s  %s  %s
   %s  %s  %s  %s
   %s  %s  %s  %s
+  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -188,7 +193,7 @@ Upstream spec (-upstream, %s):
   so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
   through an https:// target.
 `, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
-		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvUpstreams)
+		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvDisableLane, EnvUpstreams)
 }
 
 type stringList []string

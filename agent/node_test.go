@@ -131,6 +131,11 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 		n.authFailed.Add(1)
 		return status.Error(codes.Unauthenticated, "invalid token")
 	}
+	// A node sends its response header before it reads the Advertise
+	// (proto/README §2.4); this one offers no data lane.
+	if err := st.SendHeader(metadata.MD{}); err != nil {
+		return err
+	}
 	env := &tunnelpb.Envelope{}
 	if err := st.RecvMsg(env); err != nil {
 		return err

@@ -631,7 +631,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		return sessionResult{err: err}
 	}
 	rs := &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
-	progress := streamProgress(st)
+	frames, progress, onLane := a.sessionFrames(sctx, rs, cancel, hostport)
 
 	acks := make(chan *tunnelpb.AdvertiseAck, 8)
 	var drained atomic.Bool
@@ -662,7 +662,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 			a.log.Debug("unexpected control frame ignored", zap.String("frame", fmt.Sprintf("%T", f.Kind)))
 		}
 	}
-	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(rs, cancel), tunnelcore.Config{
+	sess, err := tunnelcore.NewSession(frames, tunnelcore.Config{
 		Role:      tunnelcore.RoleAgent,
 		OnControl: onControl,
 		Budget:    a.budget,
@@ -670,8 +670,12 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		Logger:    a.log,
 	})
 	if err != nil {
+		frames.Close(err)
 		cancel()
 		return sessionResult{err: err}
+	}
+	if onLane {
+		go watchGRPCBesideLane(sess, rs)
 	}
 	a.current.Store(sess)
 	defer a.current.Store(nil)
@@ -733,6 +737,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		zap.String("server", a.cfg.Server),
 		zap.String("node_id", ack.GetNodeId()),
 		zap.Strings("routes", routes.update(a.log, ack)),
+		zap.Bool("data_lane", onLane),
 		zap.Bool("stall_progress", progress != nil)) // see tunnelcore.Config.Progress
 	a.markConnected(ack.GetNodeId())
 

@@ -137,6 +137,15 @@ type App struct {
 	// the node shuts down, before the streams are closed. Default 10s.
 	DrainGrace caddy.Duration `json:"drain_grace,omitempty"`
 
+	// DisableDataLane stops offering agents the data lane: a second
+	// connection to the control address that carries a session's frames
+	// without gRPC's HTTP/2 framing, which costs this node about a quarter
+	// less CPU per tunneled byte (proto/README §2.4). Agents then keep their
+	// sessions on the gRPC stream. Turn it off when something between the
+	// agents and this address speaks HTTP/2 or gRPC itself (a gRPC-aware
+	// load balancer): the agents would fall back each time anyway.
+	DisableDataLane bool `json:"disable_data_lane,omitempty"`
+
 	token     string
 	cert      *tls.Certificate // the control plane's certificate; nil: plaintext
 	portRange portRange
@@ -374,6 +383,7 @@ func (a *App) Start() error {
 		portRange:           a.portRange,
 		tcpBind:             a.TCPBind,
 		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
+		noDataLane:          a.DisableDataLane,
 	}
 	a.prev.opts = a.node.opts.Swap(a.applied)
 	a.node.applyPortOptions(a.prev.opts, a.applied)

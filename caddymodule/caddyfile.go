@@ -45,6 +45,8 @@ func init() {
 //	    max_pending_streams_per_address <n>
 //	    tunnel_stall_timeout        <duration>
 //	    drain_grace                 <duration>
+//
+//	    data_lane off                  # keep agents on the gRPC stream (proto/README §2.4)
 //	}
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -117,6 +119,18 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = durationArg(d, &a.TunnelStallTimeout)
 		case "drain_grace":
 			err = durationArg(d, &a.DrainGrace)
+		case "data_lane":
+			var v string
+			if err = singleArg(d, &v); err == nil {
+				switch v {
+				case "on":
+					a.DisableDataLane = false
+				case "off":
+					a.DisableDataLane = true
+				default:
+					err = d.Errf("sluice: data_lane: want on or off, got %q", v)
+				}
+			}
 		default:
 			return d.Errf("sluice: unrecognized option %q", opt)
 		}

@@ -53,6 +53,7 @@ type node struct {
 	server   *grpc.Server
 	reg      *registry
 	ports    *portManager
+	lanes    laneTickets
 	budget   *tunnelcore.Budget
 	slots    *tunnelcore.Slots
 
@@ -106,6 +107,7 @@ type nodeOptions struct {
 	portRange           portRange     // ports agents may claim; zero: the node binds none
 	tcpBind             string        // host the claimed ports bind on ("" = all)
 	verbatimIdleTimeout time.Duration // default idle bound of relayed TCP connections; 0 = off
+	noDataLane          bool          // offer agents no data lane (App.DataLane off)
 }
 
 // nodeKey identifies a node in the pool.
@@ -171,7 +173,11 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 			},
 		})
 	}
-	opts = append(opts, grpc.Creds(tunnelcore.ProgressCredentials(creds)))
+	opts = append(opts, grpc.Creds(&laneCreds{
+		TransportCredentials: tunnelcore.ProgressCredentials(creds),
+		tickets:              &n.lanes,
+		refused:              n.laneRefused,
+	}))
 	n.server = grpc.NewServer(opts...)
 	tunnelpb.RegisterTunnelServer(n.server, &tunnelService{n: n})
 	go func() {
@@ -307,12 +313,15 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		n.logStream("agent stream refused", remote, err)
 		return err
 	}
-	adv, err := n.readAdvertise(stream)
+	lanes, withdrawLane := n.offerLane(stream)
+	op, err := n.readAdvertise(stream, lanes)
+	withdrawLane()
 	releasePending()
 	if err != nil {
 		n.logStream("agent rejected", remote, err)
 		return err
 	}
+	adv := op.adv
 	releaseSession, err := n.admitSession(remote, adv.GetAgentId(), opts)
 	if err != nil {
 		n.logStream("agent session refused", remote, err)
@@ -329,7 +338,14 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	// admitMu from before the session's receive loop starts: a second
 	// Advertise waits until the first is admitted and registered.
 	n.admitMu.Lock()
-	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(stream, cancel), tunnelcore.Config{
+	frames := tunnelcore.GRPCStream(stream, cancel)
+	if op.lane != nil {
+		frames = &laneStream{FrameStream: op.frames, endGRPC: cancel}
+		progress = tunnelcore.ConnProgress(op.lane)
+	} else {
+		op.frames = nil
+	}
+	sess, err := tunnelcore.NewSession(frames, tunnelcore.Config{
 		Role:         tunnelcore.RoleNode,
 		PeerWindow:   adv.GetInitialWindow(),
 		Budget:       n.budget,
@@ -341,7 +357,11 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	})
 	if err != nil {
 		n.admitMu.Unlock()
+		frames.Close(err)
 		return status.Error(codes.Internal, err.Error())
+	}
+	if op.lane != nil {
+		go endWithGRPCStream(sess, op.grpcRecv)
 	}
 	a.sess = sess
 	a.advertised = adv.GetRoutes()
@@ -376,7 +396,8 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	if ok, suppressed := n.sessionLog.Allow(); ok {
 		n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
 			zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)),
-			zap.Bool("stall_progress", progress != nil), zap.Int("suppressed_since_last", suppressed))
+			zap.Bool("data_lane", op.lane != nil), zap.Bool("stall_progress", progress != nil),
+			zap.Int("suppressed_since_last", suppressed))
 	}
 
 	select {
@@ -410,32 +431,149 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	return nil
 }
 
+// offerLane offers the stream a data lane (unless the node's data_lane is
+// off) in the response header, which it sends at once either way: an
+// agent waits for the header before it sends its Advertise. The lane that
+// claims the ticket arrives on lanes; withdraw gives the offer up.
+func (n *node) offerLane(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (lanes <-chan net.Conn, withdraw func()) {
+	md := metadata.MD{}
+	withdraw = func() {}
+	if !n.opts.Load().noDataLane {
+		var ticket string
+		ticket, lanes, withdraw = n.lanes.offer()
+		md.Set(tunnelpb.LaneHeader, ticket)
+	}
+	if err := stream.SendHeader(md); err != nil {
+		withdraw()
+		return nil, func() {}
+	}
+	return lanes, withdraw
+}
+
+// endWithGRPCStream ends a session on a data lane when the gRPC stream
+// beside it ends, or carries a frame it must not.
+func endWithGRPCStream(sess *tunnelcore.Session, grpcRecv <-chan recvResult) {
+	select {
+	case r := <-grpcRecv:
+		if r.err == nil {
+			r.env.Payload.Free()
+			r.err = errFrameBesideLane
+		}
+		sess.CloseWithError(r.err)
+	case <-sess.Done():
+	}
+}
+
+// laneRefused logs a lane connection that presented no ticket the node is
+// waiting for (a lane that came too late, or not an agent).
+func (n *node) laneRefused(remote net.Addr, err error) {
+	if ok, suppressed := n.streamLog.Allow(); ok {
+		n.log().Info("data lane refused", zap.Stringer("remote", remote), zap.Error(err),
+			zap.Int("suppressed_since_last", suppressed))
+	}
+}
+
 // errReplaced ends a session that a newer stream of the same agent id
 // replaced. The agent gets it as ABORTED: two live agents sharing an id
 // displace each other at their reconnect pace.
 var errReplaced = errors.New(tunnelpb.StatusReplaced)
 
-// readAdvertise waits for the agent's first frame, which must be Advertise.
-func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (*tunnelpb.Advertise, error) {
-	type result struct {
-		env *tunnelpb.Envelope
-		err error
-	}
-	ch := make(chan result, 1)
+// recvResult is one receive of an agent's first frame.
+type recvResult struct {
+	env *tunnelpb.Envelope
+	err error
+}
+
+// opening is how an agent opened its session: its Advertise, and the lane
+// it attached (nil: the session runs on the gRPC stream). On a lane,
+// grpcRecv is the gRPC stream's receive still pending: the agent sends
+// nothing more there, so it completes when the stream ends or the agent
+// breaks the protocol.
+type opening struct {
+	adv      *tunnelpb.Advertise
+	lane     net.Conn
+	frames   tunnelcore.FrameStream // the lane's
+	grpcRecv <-chan recvResult
+}
+
+// readAdvertise waits for the agent's first frame, which must be Advertise:
+// on the gRPC stream, or on the lane the agent attached with the ticket
+// this stream was offered (lanes; nil when none was).
+func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame], lanes <-chan net.Conn) (opening, error) {
+	ch := make(chan recvResult, 1)
 	go func() {
 		env := &tunnelpb.Envelope{}
 		err := stream.RecvMsg(env)
-		ch <- result{env, err}
+		ch <- recvResult{env, err}
 	}()
 	timeout := n.opts.Load().advertiseTimeout
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
-	var r result
+	var r recvResult
+	var op opening
 	select {
 	case r = <-ch:
+	case conn := <-lanes:
+		op = opening{lane: conn, frames: tunnelcore.ConnStream(conn), grpcRecv: ch}
+		r = readLaneAdvertise(conn, op.frames, ch, timer.C)
+		if r.err != nil {
+			op.frames.Close(r.err)
+		}
 	case <-timer.C:
-		return nil, status.Errorf(codes.DeadlineExceeded, "no Advertise within %v", timeout)
+		r.err = errNoAdvertise
 	}
+	if errors.Is(r.err, errNoAdvertise) {
+		return op, status.Errorf(codes.DeadlineExceeded, "no Advertise within %v", timeout)
+	}
+	adv, err := checkAdvertise(r)
+	if err != nil && op.frames != nil {
+		op.frames.Close(err)
+	}
+	op.adv = adv
+	return op, err
+}
+
+// errNoAdvertise: the Advertise did not come within the advertise timeout.
+var errNoAdvertise = errors.New("no Advertise")
+
+// readLaneAdvertise accepts the lane conn and reads its first frame.
+func readLaneAdvertise(conn net.Conn, frames tunnelcore.FrameStream, grpcRecv <-chan recvResult, timeout <-chan time.Time) recvResult {
+	if _, err := conn.Write([]byte{tunnelpb.LaneAccepted}); err != nil {
+		return recvResult{err: status.Errorf(codes.Unavailable, "answering the data lane: %v", err)}
+	}
+	ch := make(chan recvResult, 1)
+	go func() {
+		env := &tunnelpb.Envelope{}
+		err := frames.Recv(env)
+		ch <- recvResult{env, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			r.err = status.Errorf(codes.Unavailable, "data lane: %v", r.err)
+		}
+		return r
+	case r := <-grpcRecv:
+		if r.err == nil {
+			r.env.Payload.Free()
+			r.err = status.Error(codes.FailedPrecondition, errFrameBesideLane.Error())
+		}
+		frames.Close(r.err)
+		<-ch
+		return recvResult{err: r.err}
+	case <-timeout:
+		frames.Close(errNoAdvertise)
+		<-ch
+		return recvResult{err: errNoAdvertise}
+	}
+}
+
+// errFrameBesideLane: an agent that attached a data lane sent a frame on
+// the gRPC stream too.
+var errFrameBesideLane = errors.New("agent sent a frame on the gRPC stream while its session runs on the data lane")
+
+// checkAdvertise checks that an agent's first frame is a valid Advertise.
+func checkAdvertise(r recvResult) (*tunnelpb.Advertise, error) {
 	if r.err != nil {
 		return nil, r.err
 	}

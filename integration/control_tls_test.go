@@ -48,39 +48,45 @@ func TestStallWatchdogReadsTheSocket(t *testing.T) {
 }
 
 // assertStallProgress checks the node's "agent connected" line for id and
-// the agent's "connected" line both report stall_progress true.
+// the agent's "connected" line both report stall_progress true, and that
+// the session runs on the data lane (data_lane true; proto/README §2.4).
 func assertStallProgress(t *testing.T, c *caddyServer, agentLogs *observer.ObservedLogs, id string) {
+	t.Helper()
+	assertConnectedSays(t, c, agentLogs, id, "stall_progress", true)
+	assertConnectedSays(t, c, agentLogs, id, "data_lane", true)
+}
+
+// assertConnectedSays checks that the node's "agent connected" line for id
+// and the agent's first "connected" line both have field = want.
+func assertConnectedSays(t *testing.T, c *caddyServer, agentLogs *observer.ObservedLogs, id, field string, want bool) {
 	t.Helper()
 	var nodeSaid *bool
 	eventually(t, 5*time.Second, "the node's agent connected line", func() bool {
-		nodeSaid = nodeStallProgress(t, c, id)
+		nodeSaid = nodeConnectedSays(t, c, id, field)
 		return nodeSaid != nil
 	})
-	if !*nodeSaid {
-		t.Error(`node: "agent connected" says stall_progress false`)
+	if *nodeSaid != want {
+		t.Errorf(`node: "agent connected" says %s %v, want %v`, field, *nodeSaid, want)
 	}
 	lines := agentLogs.FilterMessage("connected").All()
 	if len(lines) == 0 {
 		t.Fatal(`agent logged no "connected" line`)
 	}
-	if got, ok := lines[0].ContextMap()["stall_progress"].(bool); !ok || !got {
-		t.Errorf(`agent: "connected" has stall_progress %v`, lines[0].ContextMap()["stall_progress"])
+	if got, ok := lines[0].ContextMap()[field].(bool); !ok || got != want {
+		t.Errorf(`agent: "connected" has %s %v, want %v`, field, lines[0].ContextMap()[field], want)
 	}
 }
 
-// nodeStallProgress returns the stall_progress of the node's "agent
+// nodeConnectedSays returns the boolean field of the node's "agent
 // connected" line for agent id, or nil while there is none.
-func nodeStallProgress(t *testing.T, c *caddyServer, id string) *bool {
+func nodeConnectedSays(t *testing.T, c *caddyServer, id, field string) *bool {
 	for _, line := range c.logLines(t, "agent connected") {
-		var l struct {
-			Agent         string `json:"agent"`
-			StallProgress *bool  `json:"stall_progress"`
-		}
+		var l map[string]any
 		if err := json.Unmarshal(line, &l); err != nil {
 			t.Fatalf("log line %q: %v", line, err)
 		}
-		if l.Agent == id && l.StallProgress != nil {
-			return l.StallProgress
+		if v, ok := l[field].(bool); ok && l["agent"] == id {
+			return &v
 		}
 	}
 	return nil

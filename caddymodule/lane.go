@@ -1,0 +1,175 @@
+package caddymodule
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+
+	"google.golang.org/grpc/credentials"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+// The data lane (proto/README §2.4). An authorised Connect stream is offered
+// a one-time ticket in its response header; the agent may open a second
+// connection to the control address, present the ticket, and run the
+// session's frames on it (tunnelcore.ConnStream) instead of on the gRPC
+// stream, which stays open beside it to carry the session's end status and
+// gRPC's keepalive. Through gRPC, every byte crosses HTTP/2 framing in
+// 16 KiB frames, a copy into and out of gRPC's buffers on each side and a
+// hand-off to and from gRPC's reader and writer goroutines; on the lane it
+// is one writev and one large read (bench/README.md has the figures).
+//
+// Lane connections share the control listener: laneCreds looks at the
+// first byte after the TLS handshake (or, in plaintext, the first byte),
+// takes a connection that starts with tunnelpb.LanePreface out of gRPC,
+// and lets every other through.
+
+// laneTickets are the tickets the node offered and no lane has claimed yet.
+type laneTickets struct {
+	mu sync.Mutex
+	m  map[string]chan net.Conn
+}
+
+// offer makes a ticket; the lane that presents it arrives on the returned
+// channel. withdraw forgets the ticket and closes a lane that arrived and
+// was not taken.
+func (t *laneTickets) offer() (ticket string, lanes <-chan net.Conn, withdraw func()) {
+	var b [tunnelpb.LaneTicketLength / 2]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic("sluice: crypto/rand: " + err.Error())
+	}
+	ticket = hex.EncodeToString(b[:])
+	ch := make(chan net.Conn, 1)
+	t.mu.Lock()
+	if t.m == nil {
+		t.m = make(map[string]chan net.Conn)
+	}
+	t.m[ticket] = ch
+	t.mu.Unlock()
+	return ticket, ch, func() {
+		t.mu.Lock()
+		delete(t.m, ticket)
+		t.mu.Unlock()
+		select {
+		case c := <-ch:
+			c.Close()
+		default:
+		}
+	}
+}
+
+// claim hands conn to the offer of ticket, once: false for a ticket that is
+// unknown, already claimed or withdrawn.
+func (t *laneTickets) claim(ticket string, conn net.Conn) bool {
+	t.mu.Lock()
+	ch, ok := t.m[ticket]
+	delete(t.m, ticket)
+	t.mu.Unlock()
+	if ok {
+		ch <- conn // buffered, and each ticket is claimed once
+	}
+	return ok
+}
+
+// laneCreds wraps the control plane's transport credentials: after the
+// handshake, a connection that starts with a lane preface is handed to the
+// ticket it presents and leaves gRPC (credentials.ErrConnDispatched).
+type laneCreds struct {
+	credentials.TransportCredentials
+	tickets *laneTickets
+	refused func(remote net.Addr, err error) // a lane preface that was not taken
+}
+
+// errLaneTicket is a lane preface whose ticket no Connect stream is
+// waiting for (unknown, claimed, or given up).
+var errLaneTicket = errors.New("lane ticket is not waiting for a lane")
+
+// ServerHandshake implements credentials.TransportCredentials. gRPC's
+// connection timeout bounds the reads: its deadline on raw lasts until the
+// handshake returns.
+func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, ai, err := c.TransportCredentials.ServerHandshake(raw)
+	if err != nil {
+		return conn, ai, err
+	}
+	var first [1]byte
+	if _, err := io.ReadFull(conn, first[:]); err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	if first[0] != tunnelpb.LanePreface[0] {
+		return &peekedConn{Conn: conn, first: first[0], unread: true}, ai, nil
+	}
+	if err := c.takeLane(conn); err != nil {
+		conn.Close()
+		if c.refused != nil {
+			c.refused(raw.RemoteAddr(), err)
+		}
+	}
+	return nil, nil, credentials.ErrConnDispatched
+}
+
+// takeLane reads the rest of a lane preface and hands conn to its ticket.
+func (c *laneCreds) takeLane(conn net.Conn) error {
+	hello := make([]byte, tunnelpb.LaneHelloLength)
+	hello[0] = tunnelpb.LanePreface[0]
+	if _, err := io.ReadFull(conn, hello[1:]); err != nil {
+		return fmt.Errorf("reading the lane preface: %w", err)
+	}
+	prefix := len(tunnelpb.LanePreface)
+	if string(hello[:prefix]) != tunnelpb.LanePreface || hello[len(hello)-1] != '\n' {
+		return errors.New("malformed lane preface")
+	}
+	if !c.tickets.claim(string(hello[prefix:len(hello)-1]), conn) {
+		return errLaneTicket
+	}
+	return nil
+}
+
+// Clone implements credentials.TransportCredentials.
+func (c *laneCreds) Clone() credentials.TransportCredentials {
+	return &laneCreds{TransportCredentials: c.TransportCredentials.Clone(), tickets: c.tickets, refused: c.refused}
+}
+
+// peekedConn gives back the byte laneCreds read to tell a lane from gRPC.
+// It does not expose the socket (syscall.Conn): a reader of the socket
+// itself would skip that byte.
+type peekedConn struct {
+	net.Conn
+	first  byte
+	unread bool // Read has not returned first yet; only gRPC's reader reads
+}
+
+func (p *peekedConn) Read(b []byte) (int, error) {
+	if p.unread && len(b) > 0 {
+		p.unread = false
+		b[0] = p.first
+		return 1, nil
+	}
+	return p.Conn.Read(b)
+}
+
+// NetConn returns the wrapped connection (tunnelcore's socket progress
+// looks through it for the TCP socket).
+func (p *peekedConn) NetConn() net.Conn { return p.Conn }
+
+// laneStream is a session's FrameStream on a lane: closing it also ends the
+// gRPC stream beside it.
+type laneStream struct {
+	tunnelcore.FrameStream
+	endGRPC func()
+}
+
+func (l *laneStream) Close(cause error) {
+	l.FrameStream.Close(cause)
+	l.endGRPC()
+}
+
+// Interface guards
+var _ credentials.TransportCredentials = (*laneCreds)(nil)

@@ -1,0 +1,137 @@
+package integration
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/sluice-tunnel/sluice/agent"
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// The data lane (proto/README §2.4): every other test's agent runs its
+// session on a lane (TestStallWatchdogReadsTheSocket and
+// TestTLSControlPlane check that it does); these check the ways a session
+// stays on the gRPC stream, and that the lane's door is shut to strangers.
+
+// laneOffTests runs one body per way of keeping a session off the lane,
+// each with the agent's logs and the data_lane both ends must report.
+func TestSessionWithoutDataLane(t *testing.T) {
+	cases := []struct {
+		name   string
+		global string
+		adjust func(*agent.Config)
+	}{
+		{"node data_lane off", "data_lane off", nil},
+		{"agent disable_data_lane", "", func(cfg *agent.Config) { cfg.DisableDataLane = true }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := startCaddyWith(t, caddyOptions{Sluice: tc.global, CaptureLog: true}, siteAll)
+			up := startUpstream(t, "app")
+			a, logs := launchAgentLogged(t, c.serverURL(), "grpc-only", testToken, tc.adjust, true,
+				agent.Upstream{Host: "app.test", Target: up})
+			waitConnected(t, a)
+			assertConnectedSays(t, c, logs, "grpc-only", "data_lane", false)
+			if n := logs.FilterMessageSnippet("data lane unavailable").Len(); n != 0 {
+				t.Errorf("the agent tried a lane %d times", n)
+			}
+			checkDownload(t, c, "app.test", 32<<20)
+		})
+	}
+}
+
+// TestLaneThatCannotOpenFallsBack: between the agent and the node sits a
+// forwarder that passes only the first connection (the gRPC one), as a
+// load balancer that speaks only gRPC would refuse the lane. The agent
+// says once that the lane is unavailable and serves on the gRPC stream.
+func TestLaneThatCannotOpenFallsBack(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{CaptureLog: true}, siteAll)
+	up := startUpstream(t, "app")
+	fwd := firstConnOnly(t, fmt.Sprintf("127.0.0.1:%d", c.controlPort))
+	a, logs := launchAgentLogged(t, "grpc://"+fwd, "behind-lb", testToken, nil, true,
+		agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	assertConnectedSays(t, c, logs, "behind-lb", "data_lane", false)
+	if n := logs.FilterMessageSnippet("data lane unavailable").Len(); n != 1 {
+		t.Errorf(`agent logged "data lane unavailable" %d times, want 1`, n)
+	}
+	checkDownload(t, c, "app.test", 32<<20)
+}
+
+// firstConnOnly forwards the first connection to target and closes every
+// later one at once; it returns its address.
+func firstConnOnly(t testing.TB, target string) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lis.Close() })
+	var n atomic.Int32
+	go func() {
+		for {
+			in, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			if n.Add(1) > 1 {
+				in.Close()
+				continue
+			}
+			out, err := net.Dial("tcp", target)
+			if err != nil {
+				in.Close()
+				continue
+			}
+			t.Cleanup(func() { in.Close(); out.Close() })
+			go func() { io.Copy(out, in); out.Close() }()
+			go func() { io.Copy(in, out); in.Close() }()
+		}
+	}()
+	return lis.Addr().String()
+}
+
+// TestLaneRefusesStrangers: a lane preface with a ticket no stream is
+// waiting for, a malformed one, and one that never finishes are each
+// closed without the node's 0x01, logged, and leave the control plane
+// serving agents.
+func TestLaneRefusesStrangers(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{CaptureLog: true}, siteAll)
+	addr := fmt.Sprintf("127.0.0.1:%d", c.controlPort)
+	for _, hello := range []string{
+		tunnelpb.LanePreface + strings.Repeat("ab", tunnelpb.LaneTicketLength/2) + "\n",
+		"SLUICE-LANE/2 " + strings.Repeat("0", tunnelpb.LaneTicketLength) + "\n",
+		"S",
+	} {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Write([]byte(hello)); err != nil {
+			t.Fatal(err)
+		}
+		if hello == "S" {
+			conn.(*net.TCPConn).CloseWrite() // the rest never comes
+		}
+		conn.SetReadDeadline(time.Now().Add(15 * time.Second))
+		got, err := io.ReadAll(conn)
+		conn.Close()
+		if err != nil || len(got) != 0 {
+			t.Errorf("lane preface %q: read %q, %v; want the connection closed with nothing", hello, got, err)
+		}
+	}
+	eventually(t, 5*time.Second, `"data lane refused" logged`, func() bool {
+		return len(c.logLines(t, "data lane refused")) > 0
+	})
+
+	up := startUpstream(t, "app")
+	a, logs := launchAgentLogged(t, c.serverURL(), "after-strangers", testToken, nil, true,
+		agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	assertConnectedSays(t, c, logs, "after-strangers", "data_lane", true)
+}
