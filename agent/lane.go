@@ -24,9 +24,21 @@ import (
 // and gRPC's keepalive, and its end ends the session. Whatever keeps the
 // lane from opening leaves the session on the gRPC stream.
 
-// laneDialTimeout bounds opening a lane: the dial, the TLS handshake and
-// the node's answer.
-const laneDialTimeout = 10 * time.Second
+// Opening a lane must leave the Advertise time to reach the node on the
+// gRPC stream when it fails: the node's advertise_timeout (10 s by
+// default) runs from before it sends the header. laneHeaderWait bounds the
+// wait for the header (a node sends it once it authorised the stream),
+// laneDialTimeout the dial, the TLS handshake and the node's answer.
+// After a lane failed, the agent's next sessions to the same server stay
+// on the gRPC stream for laneRetryAfter, so a path that never takes a
+// lane (a load balancer that passes only gRPC, or one that sends the lane
+// to another node) costs one attempt and one warning per period, not one
+// per reconnect.
+const (
+	laneHeaderWait  = 3 * time.Second
+	laneDialTimeout = 3 * time.Second
+	laneRetryAfter  = 10 * time.Minute
+)
 
 // errFrameBesideLane: the node sent a frame on the gRPC stream while the
 // session runs on the data lane.
@@ -37,7 +49,7 @@ var errFrameBesideLane = errors.New("node sent a frame on the gRPC stream while 
 // stream; cancel ends it.
 func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel func(), hostport string) (tunnelcore.FrameStream, func() uint64, bool) {
 	grpcFrames, progress := tunnelcore.GRPCStream(rs, cancel), streamProgress(rs)
-	if a.cfg.DisableDataLane || behindProxy(hostport) {
+	if a.cfg.DisableDataLane || behindProxy(hostport) || time.Now().UnixNano() < a.laneRetryAt.Load() {
 		return grpcFrames, progress, false
 	}
 	ticket := a.laneTicket(rs)
@@ -47,18 +59,37 @@ func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel f
 	conn, err := a.dialLane(ctx, hostport, ticket)
 	if err != nil {
 		if ctx.Err() == nil {
-			a.log.Warn("data lane unavailable; the session runs on the gRPC stream (disable_data_lane spares the attempt)",
-				zap.String("server", a.cfg.Server), zap.Error(err))
+			a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
+			a.log.Warn("data lane unavailable; sessions run on the gRPC stream (disable_data_lane spares the attempt)",
+				zap.String("server", a.cfg.Server), zap.Duration("retry_after", laneRetryAfter), zap.Error(err))
 		}
 		return grpcFrames, progress, false
 	}
-	return tunnelcore.ConnStream(conn), tunnelcore.ConnProgress(conn), true
+	lane := tunnelcore.ConnStream(conn)
+	return &agentLane{LaneStream: lane, endGRPC: cancel}, tunnelcore.ConnProgress(conn), true
+}
+
+// agentLane is the agent's session stream on a lane. When the node ended
+// the lane, the gRPC stream is left open for the node's status, which tells
+// why (the session's end reason reads it; the session's end ends the
+// stream soon after); when the agent ends the session itself, it ends the
+// gRPC stream at once, as it does without a lane.
+type agentLane struct {
+	tunnelcore.LaneStream
+	endGRPC func()
+}
+
+func (l *agentLane) Close(cause error) {
+	l.LaneStream.Close(cause)
+	if !l.PeerEnded() {
+		l.endGRPC()
+	}
 }
 
 // laneTicket waits for the Connect stream's response header (a node sends
 // it as soon as it authorised the stream) and returns the lane ticket it
 // offers, or "" (none offered, or the stream failed: the session reports
-// why). The wait is bounded by the AdvertiseAck timeout.
+// why). The wait is bounded by laneHeaderWait.
 func (a *Agent) laneTicket(st grpc.ClientStream) string {
 	type header struct{ ticket string }
 	ch := make(chan header, 1)
@@ -74,7 +105,7 @@ func (a *Agent) laneTicket(st grpc.ClientStream) string {
 		}
 		ch <- h
 	}()
-	t := time.NewTimer(a.ackTimeout)
+	t := time.NewTimer(min(a.ackTimeout, laneHeaderWait))
 	defer t.Stop()
 	select {
 	case h := <-ch:

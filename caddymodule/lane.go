@@ -68,11 +68,13 @@ func (t *laneTickets) offer() (ticket string, lanes <-chan net.Conn, withdraw fu
 // unknown, already claimed or withdrawn.
 func (t *laneTickets) claim(ticket string, conn net.Conn) bool {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	ch, ok := t.m[ticket]
 	delete(t.m, ticket)
-	t.mu.Unlock()
 	if ok {
-		ch <- conn // buffered, and each ticket is claimed once
+		// Under the lock, so withdraw sees either the ticket or the
+		// conn. Buffered, and each ticket is claimed once: no wait.
+		ch <- conn
 	}
 	return ok
 }
@@ -159,15 +161,19 @@ func (p *peekedConn) Read(b []byte) (int, error) {
 // looks through it for the TCP socket).
 func (p *peekedConn) NetConn() net.Conn { return p.Conn }
 
-// laneStream is a session's FrameStream on a lane: closing it also ends the
-// gRPC stream beside it.
+// laneStream is a node session's FrameStream on a lane. Closing it ends
+// what the node sends on the lane, after what it flushed (a half-close, so
+// that the agent reads the last frames, such as the answer to its Drain,
+// where a close with its frames unread would reset the connection and
+// could discard them), and ends the gRPC stream beside it, which carries
+// the session's status. Connect closes the lane when it returns.
 type laneStream struct {
-	tunnelcore.FrameStream
+	tunnelcore.LaneStream
 	endGRPC func()
 }
 
 func (l *laneStream) Close(cause error) {
-	l.FrameStream.Close(cause)
+	l.CloseWrite()
 	l.endGRPC()
 }
 

@@ -322,6 +322,11 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		return err
 	}
 	adv := op.adv
+	if op.lane != nil {
+		// Closed when the handler returns, whichever way: after the
+		// session's last frames, or unused when the stream is refused.
+		defer op.frames.Close(nil)
+	}
 	releaseSession, err := n.admitSession(remote, adv.GetAgentId(), opts)
 	if err != nil {
 		n.logStream("agent session refused", remote, err)
@@ -340,10 +345,8 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	n.admitMu.Lock()
 	frames := tunnelcore.GRPCStream(stream, cancel)
 	if op.lane != nil {
-		frames = &laneStream{FrameStream: op.frames, endGRPC: cancel}
+		frames = &laneStream{LaneStream: op.frames, endGRPC: cancel}
 		progress = tunnelcore.ConnProgress(op.lane)
-	} else {
-		op.frames = nil
 	}
 	sess, err := tunnelcore.NewSession(frames, tunnelcore.Config{
 		Role:         tunnelcore.RoleNode,
@@ -492,7 +495,7 @@ type recvResult struct {
 type opening struct {
 	adv      *tunnelpb.Advertise
 	lane     net.Conn
-	frames   tunnelcore.FrameStream // the lane's
+	frames   tunnelcore.LaneStream // the lane's
 	grpcRecv <-chan recvResult
 }
 
@@ -537,7 +540,7 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 var errNoAdvertise = errors.New("no Advertise")
 
 // readLaneAdvertise accepts the lane conn and reads its first frame.
-func readLaneAdvertise(conn net.Conn, frames tunnelcore.FrameStream, grpcRecv <-chan recvResult, timeout <-chan time.Time) recvResult {
+func readLaneAdvertise(conn net.Conn, frames tunnelcore.LaneStream, grpcRecv <-chan recvResult, timeout <-chan time.Time) recvResult {
 	if _, err := conn.Write([]byte{tunnelpb.LaneAccepted}); err != nil {
 		return recvResult{err: status.Errorf(codes.Unavailable, "answering the data lane: %v", err)}
 	}

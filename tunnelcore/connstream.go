@@ -8,7 +8,9 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"time"
 
 	"google.golang.org/grpc/mem"
 
@@ -33,7 +35,7 @@ import (
 //
 // Send is called from one goroutine and Recv from another, as FrameStream
 // says. Close closes conn, which ends both.
-func ConnStream(conn net.Conn) FrameStream {
+func ConnStream(conn net.Conn) LaneStream {
 	s := &connStream{conn: conn, rd: laneReader{r: conn}}
 	if _, ok := conn.(*net.TCPConn); !ok {
 		// Only a TCP (or Unix) socket writes net.Buffers with one writev;
@@ -46,6 +48,15 @@ func ConnStream(conn net.Conn) FrameStream {
 
 // laneWriteBuffer is the write buffer of a lane that is not a bare socket.
 const laneWriteBuffer = 32 << 10
+
+// LaneStream is the FrameStream ConnStream returns. A wrapper must keep
+// Flush: the session's sender flushes a stream that has it.
+type LaneStream interface {
+	FrameStream
+	Flush() error
+	CloseWrite() error
+	PeerEnded() bool
+}
 
 // maxLaneMessage bounds a message on the lane as gRPC's default receive
 // limit bounds one on the stream: a larger length is a broken peer.
@@ -71,56 +82,99 @@ var (
 type connStream struct {
 	conn net.Conn
 
-	// Send's state (the sender goroutine's).
-	hdr  [5]byte
-	bufs net.Buffers
-	bw   *bufio.Writer // nil on a bare socket
+	// Send's state (the sender goroutine's): frames written but not yet
+	// flushed, as one writev's buffers, and the payloads they hold.
+	pending net.Buffers
+	hdrs    []byte // the pending frames' headers, 5 bytes each
+	held    []mem.BufferSlice
+	size    int
+	bw      *bufio.Writer // nil on a bare socket
 
 	rd laneReader
 
+	peerEnded atomic.Bool // Recv failed: the peer closed or broke the lane
 	closeOnce sync.Once
 }
 
-// Send implements FrameStream.
+// laneBatch is how much Send holds before it writes: frames queued
+// together (grants, small responses of many connections) leave in one
+// writev, as gRPC's writer puts many frames in one write; the sender
+// flushes whenever its queue runs empty. A larger frame is written at once.
+const laneBatch = 64 << 10
+
+// Send implements FrameStream. It may hold the frame until Flush (see
+// laneBatch).
 func (s *connStream) Send(e *tunnelpb.Envelope) error {
 	data, err := tunnelpb.Codec{}.Marshal(e)
 	if err != nil {
 		return err
 	}
-	defer data.Free()
 	n := data.Len()
 	if n > maxLaneMessage {
+		data.Free()
 		return fmt.Errorf("%w: %d bytes", ErrLaneMessageTooLarge, n)
 	}
-	s.hdr[0] = 0
-	binary.BigEndian.PutUint32(s.hdr[1:], uint32(n))
+	if cap(s.hdrs)-len(s.hdrs) < 5 {
+		// The pending buffers point into the old array, which stays.
+		s.hdrs = make([]byte, 0, 5*64)
+	}
+	start := len(s.hdrs)
+	s.hdrs = append(s.hdrs, 0)
+	s.hdrs = binary.BigEndian.AppendUint32(s.hdrs, uint32(n))
 	if s.bw != nil {
-		return s.sendBuffered(data)
+		s.bw.Write(s.hdrs[start:])
+		for _, b := range data {
+			s.bw.Write(b.ReadOnlyData())
+		}
+		data.Free()
+		s.hdrs = s.hdrs[:0]
+		if s.bw.Buffered() >= laneBatch {
+			return s.bw.Flush()
+		}
+		return nil
 	}
-	bufs := append(s.bufs[:0], s.hdr[:])
+	s.pending = append(s.pending, s.hdrs[start:])
 	for _, b := range data {
-		bufs = append(bufs, b.ReadOnlyData())
+		s.pending = append(s.pending, b.ReadOnlyData())
 	}
-	// WriteTo consumes the slice it is given; keep the backing array.
-	s.bufs = bufs
-	w := bufs
-	_, err = w.WriteTo(s.conn)
-	clear(bufs) // drop references to buffers going back to the pool
-	return err
+	s.held = append(s.held, data)
+	s.size += 5 + n
+	if s.size >= laneBatch || len(s.pending) >= maxLaneIovecs {
+		return s.Flush()
+	}
+	return nil
 }
 
-func (s *connStream) sendBuffered(data mem.BufferSlice) error {
-	s.bw.Write(s.hdr[:])
-	for _, b := range data {
-		s.bw.Write(b.ReadOnlyData())
+// maxLaneIovecs keeps a writev within Linux's 1024 buffers.
+const maxLaneIovecs = 512
+
+// Flush writes the frames Send holds.
+func (s *connStream) Flush() error {
+	if s.bw != nil {
+		return s.bw.Flush()
 	}
-	return s.bw.Flush()
+	if len(s.pending) == 0 {
+		return nil
+	}
+	w := s.pending // WriteTo consumes the slice it is given
+	_, err := w.WriteTo(s.conn)
+	clear(s.pending) // drop references to buffers going back to the pool
+	s.pending = s.pending[:0]
+	for i, d := range s.held {
+		d.Free()
+		s.held[i] = nil
+	}
+	s.held = s.held[:0]
+	s.hdrs = s.hdrs[:0]
+	s.size = 0
+	return err
 }
 
 // Recv implements FrameStream.
 func (s *connStream) Recv(e *tunnelpb.Envelope) error {
 	data, err := s.rd.next()
 	if err != nil {
+		s.peerEnded.Store(true)
 		return err
 	}
 	err = tunnelpb.Codec{}.Unmarshal(data, e)
@@ -128,10 +182,34 @@ func (s *connStream) Recv(e *tunnelpb.Envelope) error {
 	return err
 }
 
-// Close implements FrameStream.
+// Close implements FrameStream. The frames Send still holds are dropped,
+// as a gRPC stream drops what it has queued when it is cancelled. A TLS
+// close_notify that cannot leave at once (the peer stopped reading) is
+// not waited for.
 func (s *connStream) Close(error) {
-	s.closeOnce.Do(func() { s.conn.Close() })
+	s.closeOnce.Do(func() {
+		s.conn.SetWriteDeadline(time.Now())
+		s.conn.Close()
+	})
 }
+
+// CloseWrite ends what this end sends (TCP FIN, TLS close_notify) after
+// the frames already flushed, and leaves the reading side open, so the
+// peer reads everything before its end of the lane; Close must still
+// follow. It does not wait on a peer that stopped reading.
+func (s *connStream) CloseWrite() error {
+	s.conn.SetWriteDeadline(time.Now().Add(laneCloseWriteWait))
+	if cw, ok := s.conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// laneCloseWriteWait bounds a CloseWrite's TLS alert.
+const laneCloseWriteWait = time.Second
+
+// PeerEnded reports whether Recv failed: the peer closed or broke the lane.
+func (s *connStream) PeerEnded() bool { return s.peerEnded.Load() }
 
 // laneReader splits a byte stream into length-prefixed messages without
 // copying their bytes: it reads into a pool chunk and returns views of it,
@@ -171,7 +249,7 @@ func (l *laneReader) next() (mem.BufferSlice, error) {
 		if err := l.fill(n); err != nil {
 			return nil, err
 		}
-		msg := mem.BufferSlice{l.chunk.Slice(l.rd, l.rd+n)}
+		msg := mem.BufferSlice{l.view(l.rd, l.rd+n)}
 		l.rd += n
 		return msg, nil
 	}
@@ -179,7 +257,7 @@ func (l *laneReader) next() (mem.BufferSlice, error) {
 	// into a buffer of its own.
 	var msg mem.BufferSlice
 	if have := l.wr - l.rd; have > 0 {
-		msg = append(msg, l.chunk.Slice(l.rd, l.wr))
+		msg = append(msg, l.view(l.rd, l.wr))
 		n -= have
 	}
 	l.dropChunk()
@@ -191,6 +269,21 @@ func (l *laneReader) next() (mem.BufferSlice, error) {
 	}
 	return append(msg, mem.NewBuffer(rest, bufferPool)), nil
 }
+
+// view returns chunk bytes [from, to): a view that holds the chunk, or
+// for fewer than minLaneView bytes a copy. A view of a few bytes would keep
+// the whole 256 KiB chunk while a connection's reader leaves them unread,
+// so received bytes could hold far more memory than the windows that
+// bound them; with the copies, at most laneChunk/minLaneView times as much.
+func (l *laneReader) view(from, to int) mem.Buffer {
+	if to-from < minLaneView {
+		return mem.Copy(l.buf[from:to], bufferPool)
+	}
+	return l.chunk.Slice(from, to)
+}
+
+// minLaneView: see view.
+const minLaneView = laneChunk / 4
 
 // fill makes at least n bytes from rd available in the chunk, taking a new
 // chunk (and moving the few unread bytes into it) when the current one has

@@ -31,6 +31,12 @@ type sender struct {
 	ready  fifo[*Conn]
 	closed bool
 
+	// batching is set when the stream holds frames until flushed
+	// (batchingStream); marks are the Flush marks the sender reached
+	// whose frames the stream may still hold.
+	batching bool
+	marks    []chan struct{}
+
 	// full is set while the paced control frames are over their bound,
 	// until they are down to half (read by the receive loop without the
 	// lock, per frame);
@@ -94,8 +100,18 @@ func (it ctrlItem) conn() *Conn {
 // and neither's sends drain.
 const controlQueueBound = 4096
 
+// batchingStream is a FrameStream that may hold frames Send was given
+// until Flush (ConnStream: one writev for many small frames, as gRPC's
+// writer puts many frames in one write). The sender flushes whenever it
+// has nothing more queued, and at each Session.Flush mark.
+type batchingStream interface {
+	FrameStream
+	Flush() error
+}
+
 func (q *sender) init(s *Session) {
 	q.s = s
+	_, q.batching = s.stream.(batchingStream)
 	q.wake = make(chan struct{}, 1)
 	q.room = make(chan struct{}, 1)
 }
@@ -188,7 +204,13 @@ func (s *Session) owe(it ctrlItem, queued *bool, record func()) {
 func (q *sender) popControlLocked() (*tunnelpb.Envelope, *Conn) {
 	it := q.ctrl.pop()
 	if it.flushed != nil {
-		close(it.flushed)
+		if q.batching {
+			// Sent means written: the stream still holds what came
+			// before the mark until the loop flushes it.
+			q.marks = append(q.marks, it.flushed)
+		} else {
+			close(it.flushed)
+		}
 		return nil, nil
 	}
 	if it.paced {
@@ -390,8 +412,10 @@ func (s *Session) finish(c *Conn) {
 }
 
 // next returns the next frame to send and the connection it belongs to, or
-// nil once the session ended.
-func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
+// nil once the session ended. On a batching stream it also returns nil,
+// without waiting, when nothing is queued (wait false) or it reached a
+// Flush mark: the stream is to be flushed.
+func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 	for {
 		q.mu.Lock()
 		if q.closed {
@@ -405,6 +429,9 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 				q.s.removeConn(ended)
 			}
 			if env == nil { // a Flush mark
+				if q.batching {
+					return nil, nil
+				}
 				continue
 			}
 			return env, nil
@@ -438,6 +465,9 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 			return env, c
 		}
 		q.mu.Unlock()
+		if !wait {
+			return nil, nil
+		}
 		select {
 		case <-q.wake:
 		case <-q.s.done:
@@ -447,11 +477,23 @@ func (q *sender) next() (*tunnelpb.Envelope, *Conn) {
 }
 
 func (q *sender) loop() {
+	wait := !q.batching
 	for {
-		env, _ := q.next()
+		env, _ := q.next(wait)
 		if env == nil {
-			return
+			if !q.batching || q.ended() {
+				return
+			}
+			// Nothing queued, or a Flush mark: write what the stream
+			// holds, then wait for more (a mark may be followed by more).
+			if err := q.flushStream(); err != nil {
+				q.s.CloseWithError(err)
+				return
+			}
+			wait = true
+			continue
 		}
+		wait = !q.batching
 		q.sendingSince.Store(time.Now().UnixNano())
 		err := q.s.stream.Send(env)
 		q.sendingSince.Store(0)
@@ -461,6 +503,32 @@ func (q *sender) loop() {
 			return
 		}
 	}
+}
+
+// ended reports whether the sender was shut down or the session ended.
+func (q *sender) ended() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.closed || q.s.isDone()
+}
+
+// flushStream flushes a batching stream and closes the Flush marks it
+// covered.
+func (q *sender) flushStream() error {
+	q.sendingSince.Store(time.Now().UnixNano())
+	err := q.s.stream.(batchingStream).Flush()
+	q.sendingSince.Store(0)
+	if err != nil {
+		return err
+	}
+	q.mu.Lock()
+	marks := q.marks
+	q.marks = nil
+	q.mu.Unlock()
+	for _, m := range marks {
+		close(m)
+	}
+	return nil
 }
 
 // shutdown stops the sender and frees everything still queued.
