@@ -3,6 +3,8 @@ package agent
 import (
 	"errors"
 	"flag"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -260,6 +262,7 @@ func TestParseFlagsErrors(t *testing.T) {
 		{"bad env", []string{"-max-connections", "3"}, map[string]string{EnvMaxConnections: "x"}, []string{"SLUICE_MAX_CONNECTIONS"}},
 		{"bad grace env", nil, map[string]string{EnvShutdownGrace: "10"}, []string{`SLUICE_SHUTDOWN_GRACE: invalid duration "10"`}},
 		{"bad grace flag", []string{"-shutdown-grace", "soon"}, env, []string{"shutdown-grace"}},
+		{"bad data lane env", nil, map[string]string{EnvDisableLane: "sometimes"}, []string{`SLUICE_DISABLE_DATA_LANE: invalid boolean "sometimes"`}},
 		{"negative grace", []string{"-shutdown-grace", "-1s", "-upstream", "a=http://a:1"}, env, []string{"shutdown_grace: must be >= 0"}},
 		{"id not ASCII", []string{"-id", "büro", "-upstream", "a=http://a:1"}, env, []string{`id: "büro": must be printable ASCII`}},
 		{"token not ASCII", []string{"-token", "s\u00e9cret", "-upstream", "a=http://a:1"}, env, []string{"token: must be printable ASCII"}},
@@ -293,6 +296,7 @@ func TestParseFlagsHelp(t *testing.T) {
 		for _, w := range []string{
 			"Usage: sluice-agent", "-config", "-server", "-token-file", "-insecure", "-ca-file",
 			"-log-level", "-max-connections", "-upstream", "-id", "-shutdown-grace", EnvShutdownGrace,
+			"-disable-data-lane", EnvDisableLane,
 			EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile,
 			EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvUpstreams, "*=TARGET", "host=app.example.com,target=",
 			"a setting given as a flag overrides the environment", "Upstreams are combined instead",
@@ -334,6 +338,36 @@ func TestUpstreamErrorsNameTheirSource(t *testing.T) {
 	} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not contain %q", err, want)
+		}
+	}
+}
+
+// TestDisableDataLaneLayers: the setting comes from the file, the
+// environment and the flag, each over the one before.
+func TestDisableDataLaneLayers(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "agent.yaml")
+	yaml := "server: grpc://n:1\ntoken: t\ndisable_data_lane: true\nupstreams:\n  - host: a\n    target: http://a:1\n"
+	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		env  map[string]string
+		want bool
+	}{
+		{"file", []string{"-config", file}, nil, true},
+		{"env over file", []string{"-config", file}, map[string]string{EnvDisableLane: "false"}, false},
+		{"flag over env", []string{"-config", file, "-disable-data-lane"}, map[string]string{EnvDisableLane: "false"}, true},
+		{"flag false over file", []string{"-config", file, "-disable-data-lane=false"}, nil, false},
+	} {
+		c, err := ParseFlags(tc.args, envFunc(tc.env))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if c.DisableDataLane != tc.want {
+			t.Errorf("%s: DisableDataLane %v, want %v", tc.name, c.DisableDataLane, tc.want)
 		}
 	}
 }

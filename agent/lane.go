@@ -120,7 +120,9 @@ func (a *Agent) laneTicket(st grpc.ClientStream) string {
 func (a *Agent) dialLane(ctx context.Context, hostport, ticket string) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, laneDialTimeout)
 	defer cancel()
-	var d net.Dialer
+	// TCP keepalive stands in for the stream's HTTP/2 pings: it keeps an
+	// idle lane's NAT mapping and finds a dead lane in about a minute.
+	d := net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 4}}
 	raw, err := d.DialContext(ctx, "tcp", hostport)
 	if err != nil {
 		return nil, err
