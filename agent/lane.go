@@ -111,6 +111,9 @@ func (a *Agent) laneTicket(st grpc.ClientStream) string {
 	case h := <-ch:
 		return h.ticket
 	case <-t.C:
+		// A node that sends no header before the Advertise offers no
+		// lane: spare the wait for a while (laneRetryAfter).
+		a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
 		return ""
 	}
 }
@@ -136,7 +139,7 @@ func (a *Agent) dialLane(ctx context.Context, hostport, ticket string) (net.Conn
 		conn.Close()
 		return nil, err
 	}
-	return conn, nil
+	return tunnelcore.OverSocket(conn, raw), nil
 }
 
 // presentTicket writes the lane preface and reads the node's answer.

@@ -108,7 +108,7 @@ func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInf
 	if first[0] != tunnelpb.LanePreface[0] {
 		return &peekedConn{Conn: conn, first: first[0], unread: true}, ai, nil
 	}
-	if err := c.takeLane(conn); err != nil {
+	if err := c.takeLane(tunnelcore.OverSocket(conn, raw)); err != nil {
 		conn.Close()
 		if c.refused != nil {
 			c.refused(raw.RemoteAddr(), err)

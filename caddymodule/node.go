@@ -322,10 +322,12 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		return err
 	}
 	adv := op.adv
+	sessionRan := false
 	if op.lane != nil {
-		// Closed when the handler returns, whichever way: after the
-		// session's last frames, or unused when the stream is refused.
-		defer op.frames.Close(nil)
+		// Closed when the handler returns, whichever way: unused when the
+		// stream is refused, else after the session's last frames (see
+		// closeLane).
+		defer func() { closeLane(op.frames, sessionRan) }()
 	}
 	releaseSession, err := n.admitSession(remote, adv.GetAgentId(), opts)
 	if err != nil {
@@ -364,6 +366,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		return status.Error(codes.Internal, err.Error())
 	}
 	if op.lane != nil {
+		sessionRan = true
 		go endWithGRPCStream(sess, op.grpcRecv)
 	}
 	a.sess = sess
@@ -451,6 +454,30 @@ func (n *node) offerLane(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelp
 		return nil, func() {}
 	}
 	return lanes, withdraw
+}
+
+// laneLinger bounds how long a lane whose session ended waits for the
+// agent to close its end before the node closes it (closeLane).
+const laneLinger = time.Second
+
+// closeLane closes a lane. After a session, the node has half-closed it
+// (laneStream.Close) and the session's receive loop reads what the agent
+// still sends until the agent, having read the node's last frames, closes
+// its end; only then is the lane closed, as closing it with bytes unread
+// would reset it and could discard what the agent had not read yet (such
+// as the answer to its Drain). An agent that does not close within
+// laneLinger is cut.
+func closeLane(lane tunnelcore.LaneStream, sessionRan bool) {
+	if sessionRan {
+		lane.CloseWrite()
+		t := time.NewTimer(laneLinger)
+		select {
+		case <-lane.RecvEnded():
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	lane.Close(nil)
 }
 
 // endWithGRPCStream ends a session on a data lane when the gRPC stream

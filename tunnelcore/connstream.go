@@ -36,7 +36,7 @@ import (
 // Send is called from one goroutine and Recv from another, as FrameStream
 // says. Close closes conn, which ends both.
 func ConnStream(conn net.Conn) LaneStream {
-	s := &connStream{conn: conn, rd: laneReader{r: conn}}
+	s := &connStream{conn: conn, rd: laneReader{r: conn}, recvEnded: make(chan struct{})}
 	if _, ok := conn.(*net.TCPConn); !ok {
 		// Only a TCP (or Unix) socket writes net.Buffers with one writev;
 		// anything else (TLS) would write the 5-byte header on its own, a
@@ -56,7 +56,23 @@ type LaneStream interface {
 	Flush() error
 	CloseWrite() error
 	PeerEnded() bool
+	RecvEnded() <-chan struct{}
 }
+
+// OverSocket marks conn (a TLS conn, or gRPC credentials' wrapper of one,
+// which hides the TLS conn's NetConn) as running over the TCP socket raw:
+// a ConnStream half-closes and closes raw directly (a TLS close_notify
+// waits up to 5 s on a peer that stopped reading) and reads the stall
+// watchdog's progress from it.
+func OverSocket(conn, raw net.Conn) net.Conn { return &socketConn{Conn: conn, raw: raw} }
+
+type socketConn struct {
+	net.Conn
+	raw net.Conn
+}
+
+// NetConn returns the socket (tcpConnOf looks through it).
+func (c *socketConn) NetConn() net.Conn { return c.raw }
 
 // maxLaneMessage bounds a message on the lane as gRPC's default receive
 // limit bounds one on the stream: a larger length is a broken peer.
@@ -92,7 +108,10 @@ type connStream struct {
 
 	rd laneReader
 
-	peerEnded atomic.Bool // Recv failed: the peer closed or broke the lane
+	closing   atomic.Bool   // Close was called
+	peerEnded atomic.Bool   // Recv failed before Close: the peer ended the lane
+	recvEnded chan struct{} // closed when Recv failed
+	endOnce   sync.Once
 	closeOnce sync.Once
 }
 
@@ -128,10 +147,7 @@ func (s *connStream) Send(e *tunnelpb.Envelope) error {
 		}
 		data.Free()
 		s.hdrs = s.hdrs[:0]
-		if s.bw.Buffered() >= laneBatch {
-			return s.bw.Flush()
-		}
-		return nil
+		return nil // bufio writes what fills it; Flush the rest
 	}
 	s.pending = append(s.pending, s.hdrs[start:])
 	for _, b := range data {
@@ -174,7 +190,10 @@ func (s *connStream) Flush() error {
 func (s *connStream) Recv(e *tunnelpb.Envelope) error {
 	data, err := s.rd.next()
 	if err != nil {
-		s.peerEnded.Store(true)
+		if !s.closing.Load() {
+			s.peerEnded.Store(true)
+		}
+		s.endOnce.Do(func() { close(s.recvEnded) })
 		return err
 	}
 	err = tunnelpb.Codec{}.Unmarshal(data, e)
@@ -183,32 +202,40 @@ func (s *connStream) Recv(e *tunnelpb.Envelope) error {
 }
 
 // Close implements FrameStream. The frames Send still holds are dropped,
-// as a gRPC stream drops what it has queued when it is cancelled. A TLS
-// close_notify that cannot leave at once (the peer stopped reading) is
-// not waited for.
+// as a gRPC stream drops what it has queued when it is cancelled. Over a
+// known TCP socket (OverSocket, or TLS's NetConn) the socket is closed
+// directly: a TLS close_notify would wait on a peer that stopped reading.
 func (s *connStream) Close(error) {
 	s.closeOnce.Do(func() {
+		s.closing.Store(true)
+		if tc := tcpConnOf(s.conn); tc != nil {
+			tc.Close()
+			return
+		}
 		s.conn.SetWriteDeadline(time.Now())
 		s.conn.Close()
 	})
 }
 
-// CloseWrite ends what this end sends (TCP FIN, TLS close_notify) after
-// the frames already flushed, and leaves the reading side open, so the
-// peer reads everything before its end of the lane; Close must still
-// follow. It does not wait on a peer that stopped reading.
+// CloseWrite ends what this end sends after the frames already flushed
+// (TCP FIN on the socket) and leaves the reading side open, so that the
+// peer reads everything before its end of the lane; Close must follow.
 func (s *connStream) CloseWrite() error {
-	s.conn.SetWriteDeadline(time.Now().Add(laneCloseWriteWait))
+	if tc := tcpConnOf(s.conn); tc != nil {
+		return tc.CloseWrite()
+	}
 	if cw, ok := s.conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
 	return nil
 }
 
-// laneCloseWriteWait bounds a CloseWrite's TLS alert.
-const laneCloseWriteWait = time.Second
+// RecvEnded is closed once Recv failed (the peer closed the lane, or it
+// broke, or Close).
+func (s *connStream) RecvEnded() <-chan struct{} { return s.recvEnded }
 
-// PeerEnded reports whether Recv failed: the peer closed or broke the lane.
+// PeerEnded reports whether Recv failed before Close: the peer closed or
+// broke the lane.
 func (s *connStream) PeerEnded() bool { return s.peerEnded.Load() }
 
 // laneReader splits a byte stream into length-prefixed messages without

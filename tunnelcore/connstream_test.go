@@ -2,12 +2,16 @@ package tunnelcore
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
 	"math/rand/v2"
 	"testing"
 	"testing/iotest"
+	"time"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // laneBytes frames msgs as the lane does: 0, a 4-byte length, the bytes.
@@ -109,5 +113,60 @@ func TestLaneReaderRefusesBrokenStreams(t *testing.T) {
 		if !errors.Is(err, tc.want) {
 			t.Errorf("%s: got %v, want %v", tc.name, err, tc.want)
 		}
+	}
+}
+
+// halfClosing closes a lane as the node does: its session's end only
+// half-closes it; the owner closes it once the peer closed its end.
+type halfClosing struct{ LaneStream }
+
+func (h halfClosing) Close(error) { h.CloseWrite() }
+
+// TestHalfClosedLaneDeliversTheLastFrames: a node whose agent keeps sending
+// what the node no longer reads flushes a last frame (the answer to a
+// Drain) and ends the session. Closing the socket with bytes unread would
+// reset the connection and could discard that frame before the agent read
+// it; the node half-closes instead, keeps reading until the agent closed
+// its end, and only then closes.
+func TestHalfClosedLaneDeliversTheLastFrames(t *testing.T) {
+	for i := range 10 {
+		a, b := lanePair(t)
+		lane := a.(LaneStream)
+		got := make(chan *tunnelpb.Frame, 1)
+		node, err := NewSession(halfClosing{lane}, Config{Role: RoleNode})
+		if err != nil {
+			t.Fatal(err)
+		}
+		agent, err := NewSession(b, Config{Role: RoleAgent, OnControl: func(f *tunnelpb.Frame) { got <- f }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ac, err := agent.Open(ConnectInfo{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go ac.Write(make([]byte, 4*InitialWindow)) // the node never reads it
+		node.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: "n1"}}})
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := node.Flush(ctx); err != nil {
+			t.Fatalf("round %d: Flush: %v", i, err)
+		}
+		cancel()
+		node.CloseWithError(errors.New("left"))
+		select {
+		case f := <-got:
+			if f.GetAdvertiseAck().GetNodeId() != "n1" {
+				t.Fatalf("round %d: got %v", i, f)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("round %d: the agent never got the last frame (%v)", i, agent.Err())
+		}
+		agent.Close() // the agent, having read everything, closes its end
+		select {
+		case <-lane.RecvEnded():
+		case <-time.After(5 * time.Second):
+			t.Fatalf("round %d: the node's receive loop never saw the agent close", i)
+		}
+		lane.Close(nil)
 	}
 }

@@ -371,9 +371,7 @@ func (s *Session) removeConn(c *Conn) {
 
 func (s *Session) recvLoop() {
 	for {
-		if !s.waitControlRoom() {
-			return
-		}
+		s.waitControlRoom() // returns at once once the session is done
 		env := &tunnelpb.Envelope{}
 		if err := s.stream.Recv(env); err != nil {
 			env.Payload.Free()
@@ -381,8 +379,14 @@ func (s *Session) recvLoop() {
 			return
 		}
 		if s.isDone() {
+			// After the end, what the peer still sends is read and
+			// dropped until the stream fails, which closing it makes
+			// happen at once. A stream that ends by a half-close (the
+			// node's data lane) is read until its peer closes too:
+			// closing a socket with bytes unread resets the connection,
+			// which can discard what the peer has not read yet.
 			env.Payload.Free()
-			return
+			continue
 		}
 		s.dispatch(env)
 	}
