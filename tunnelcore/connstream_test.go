@@ -170,3 +170,55 @@ func TestHalfClosedLaneDeliversTheLastFrames(t *testing.T) {
 		lane.Close(nil)
 	}
 }
+
+// referenceLane splits b as the lane's framing says, plainly: the messages
+// before the first problem, and the problem (io.EOF for a clean end).
+func referenceLane(b []byte) ([][]byte, error) {
+	var msgs [][]byte
+	for {
+		if len(b) == 0 {
+			return msgs, io.EOF
+		}
+		if len(b) < 5 {
+			return msgs, io.ErrUnexpectedEOF
+		}
+		if b[0] != 0 {
+			return msgs, ErrLaneCompressed
+		}
+		n := int(binary.BigEndian.Uint32(b[1:5]))
+		if n > maxLaneMessage {
+			return msgs, ErrLaneMessageTooLarge
+		}
+		if len(b) < 5+n {
+			return msgs, io.ErrUnexpectedEOF
+		}
+		msgs = append(msgs, b[5:5+n])
+		b = b[5+n:]
+	}
+}
+
+// FuzzLaneReader: whatever bytes a peer sends on a lane, and however they
+// arrive, laneReader returns the messages the framing says and then the
+// same error as a plain reading of it.
+func FuzzLaneReader(f *testing.F) {
+	f.Add(laneBytes([]byte("hello"), nil, []byte("world")), uint64(1))
+	f.Add([]byte{0, 0, 0, 0}, uint64(2))
+	f.Add([]byte{1, 0, 0, 0, 0}, uint64(3))
+	f.Add([]byte{0, 0xff, 0xff, 0xff, 0xff}, uint64(4))
+	f.Add(laneBytes(make([]byte, 70000), []byte{1}), uint64(5))
+	f.Fuzz(func(t *testing.T, b []byte, seed uint64) {
+		want, wantErr := referenceLane(b)
+		got, err := readAll(randomReads{bytes.NewReader(b), rand.New(rand.NewPCG(seed, seed))})
+		if !errors.Is(err, wantErr) {
+			t.Fatalf("ended with %v, want %v", err, wantErr)
+		}
+		if len(got) != len(want) {
+			t.Fatalf("%d messages, want %d", len(got), len(want))
+		}
+		for i := range want {
+			if !bytes.Equal(got[i], want[i]) {
+				t.Fatalf("message %d differs", i)
+			}
+		}
+	})
+}
