@@ -135,3 +135,47 @@ func TestLaneRefusesStrangers(t *testing.T) {
 	waitConnected(t, a)
 	assertConnectedSays(t, c, logs, "after-strangers", "data_lane", true)
 }
+
+// TestReloadTurnsTheLaneOffForNewSessionsOnly: `caddy reload` with
+// data_lane off keeps the running agent's lane session (no reconnect, a
+// download through it intact) and a new agent connects on the gRPC stream.
+func TestReloadTurnsTheLaneOffForNewSessionsOnly(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{CaptureLog: true}, siteAll)
+	up := startUpstream(t, "app")
+	first, firstLogs := launchAgentLogged(t, c.serverURL(), "before-reload", testToken, nil, true,
+		agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, first)
+	assertConnectedSays(t, c, firstLogs, "before-reload", "data_lane", true)
+	sessions := first.Sessions()
+
+	c.opts.Sluice = "data_lane off"
+	reloadWithNewSite(t, c, siteAll)
+
+	second, secondLogs := launchAgentLogged(t, c.serverURL(), "after-reload", testToken, nil, true,
+		agent.Upstream{Host: "other.test", Target: up})
+	waitConnected(t, second)
+	assertConnectedSays(t, c, secondLogs, "after-reload", "data_lane", false)
+	checkDownload(t, c, "app.test", 16<<20)
+	checkDownload(t, c, "other.test", 16<<20)
+	if first.Sessions() != sessions || first.State() != agent.StateConnected {
+		t.Fatalf("the reload reconnected the lane agent: sessions %d -> %d, state %v", sessions, first.Sessions(), first.State())
+	}
+}
+
+// TestTLSLaneThatCannotOpenFallsBack is TestLaneThatCannotOpenFallsBack
+// over grpcs://: the lane's TLS handshake meets a closed connection.
+func TestTLSLaneThatCannotOpenFallsBack(t *testing.T) {
+	openssl := needCommand(t, "openssl")
+	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile), CaptureLog: true}, siteAll)
+	up := startUpstream(t, "app")
+	fwd := firstConnOnly(t, fmt.Sprintf("127.0.0.1:%d", c.controlPort))
+	a, logs := launchAgentLogged(t, "grpcs://"+fwd, "tls-behind-lb", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+		true, agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	assertConnectedSays(t, c, logs, "tls-behind-lb", "data_lane", false)
+	if n := logs.FilterMessageSnippet("data lane unavailable").Len(); n != 1 {
+		t.Errorf(`agent logged "data lane unavailable" %d times, want 1`, n)
+	}
+	checkDownload(t, c, "app.test", 16<<20)
+}
