@@ -64,7 +64,15 @@ type LaneStream interface {
 // a ConnStream half-closes and closes raw directly (a TLS close_notify
 // waits up to 5 s on a peer that stopped reading) and reads the stall
 // watchdog's progress from it.
-func OverSocket(conn, raw net.Conn) net.Conn { return &socketConn{Conn: conn, raw: raw} }
+//
+// A conn that is raw itself (plaintext) is returned as it is: ConnStream
+// writes a bare TCP socket with writev, anything else through a buffer.
+func OverSocket(conn, raw net.Conn) net.Conn {
+	if conn == raw {
+		return conn
+	}
+	return &socketConn{Conn: conn, raw: raw}
+}
 
 type socketConn struct {
 	net.Conn

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"math/rand/v2"
+	"net"
 	"testing"
 	"testing/iotest"
 	"time"
@@ -221,4 +222,23 @@ func FuzzLaneReader(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestPlaintextLaneWritesTheSocket: a plaintext lane marked with its own
+// socket keeps the bare socket, so frames leave with writev, not through
+// the copying buffer a TLS lane needs.
+func TestPlaintextLaneWritesTheSocket(t *testing.T) {
+	a, b := net.Pipe() // stand-ins: only the types matter
+	defer a.Close()
+	defer b.Close()
+	tcp := &net.TCPConn{}
+	if got := OverSocket(tcp, tcp); got != net.Conn(tcp) {
+		t.Fatalf("OverSocket(raw, raw) wrapped the socket: %T", got)
+	}
+	if s := ConnStream(tcp).(*connStream); s.bw != nil {
+		t.Fatal("a bare TCP lane writes through a buffer")
+	}
+	if s := ConnStream(OverSocket(a, tcp)).(*connStream); s.bw == nil {
+		t.Fatal("a lane over another conn (TLS) writes unbuffered")
+	}
 }
