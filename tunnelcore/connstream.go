@@ -54,6 +54,7 @@ const laneWriteBuffer = 32 << 10
 type LaneStream interface {
 	FrameStream
 	Flush() error
+	Holding() bool
 	CloseWrite() error
 	PeerEnded() bool
 	RecvEnded() <-chan struct{}
@@ -171,6 +172,21 @@ func (s *connStream) Send(e *tunnelpb.Envelope) error {
 
 // maxLaneIovecs keeps a writev within Linux's 1024 buffers.
 const maxLaneIovecs = 512
+
+// Holding reports whether Send holds a few small frames (under
+// laneYieldBelow bytes together) that Flush would write: the requests and
+// answers of interactive connections and window grants, which others
+// queued a moment later could join. Bulk data is not held back for them.
+func (s *connStream) Holding() bool {
+	n := s.size
+	if s.bw != nil {
+		n = s.bw.Buffered()
+	}
+	return n > 0 && n < laneYieldBelow
+}
+
+// laneYieldBelow: see Holding.
+const laneYieldBelow = 16 << 10
 
 // Flush writes the frames Send holds.
 func (s *connStream) Flush() error {

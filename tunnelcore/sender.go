@@ -2,6 +2,7 @@ package tunnelcore
 
 import (
 	"math"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -107,6 +108,9 @@ const controlQueueBound = 4096
 type batchingStream interface {
 	FrameStream
 	Flush() error
+	// Holding reports whether Send holds small frames worth letting
+	// others join before Flush.
+	Holding() bool
 }
 
 func (q *sender) init(s *Session) {
@@ -477,23 +481,32 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 }
 
 func (q *sender) loop() {
-	wait := !q.batching
+	wait, yielded := !q.batching, false
 	for {
 		env, _ := q.next(wait)
 		if env == nil {
 			if !q.batching || q.ended() {
 				return
 			}
-			// Nothing queued, or a Flush mark: write what the stream
+			if !wait && !yielded && q.s.stream.(batchingStream).Holding() {
+				// Nothing queued, a few small frames held: let the
+				// goroutines that are about to queue run first, as
+				// gRPC's writer does before it flushes, so that their
+				// frames share the write.
+				yielded = true
+				runtime.Gosched()
+				continue
+			}
+			// Still nothing, or a Flush mark: write what the stream
 			// holds, then wait for more (a mark may be followed by more).
 			if err := q.flushStream(); err != nil {
 				q.s.CloseWithError(err)
 				return
 			}
-			wait = true
+			wait, yielded = true, false
 			continue
 		}
-		wait = !q.batching
+		wait, yielded = !q.batching, false
 		q.sendingSince.Store(time.Now().UnixNano())
 		err := q.s.stream.Send(env)
 		q.sendingSince.Store(0)
