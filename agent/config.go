@@ -432,15 +432,21 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 	setStr(EnvID, &c.ID)
 	setStr(EnvLogLevel, &c.LogLevel)
 	c.setToken(getenv(EnvToken), getenv(EnvTokenFile))
-	var insecure *bool
-	if v := getenv(EnvInsecure); v != "" {
+	// envBool is the boolean in variable name, nil when it is unset or
+	// invalid (an error then).
+	envBool := func(name string) *bool {
+		v := getenv(name)
+		if v == "" {
+			return nil
+		}
 		b, err := strconv.ParseBool(strings.TrimSpace(v))
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: invalid boolean %q", EnvInsecure, v))
-		} else {
-			insecure = &b
+			errs = append(errs, fmt.Errorf("%s: invalid boolean %q", name, v))
+			return nil
 		}
+		return &b
 	}
+	insecure := envBool(EnvInsecure)
 	c.setServer(nonEmpty(getenv(EnvServer)), insecure, nonEmpty(getenv(EnvCAFile)))
 	if v := getenv(EnvMaxConnections); v != "" {
 		n, err := strconv.Atoi(strings.TrimSpace(v))
@@ -466,13 +472,8 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 			c.ShutdownGrace = d
 		}
 	}
-	if v := getenv(EnvDisableLane); v != "" {
-		b, err := strconv.ParseBool(strings.TrimSpace(v))
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: invalid boolean %q", EnvDisableLane, v))
-		} else {
-			c.DisableDataLane = b
-		}
+	if b := envBool(EnvDisableLane); b != nil {
+		c.DisableDataLane = *b
 	}
 	if v := getenv(EnvUpstreams); v != "" {
 		k := 0

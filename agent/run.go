@@ -111,16 +111,16 @@ func WithBackoff(initial, max time.Duration) Option {
 // upstreams, serves the connections the node opens, and reconnects with
 // backoff whenever the session ends.
 type Agent struct {
-	cfg   *Config
-	log   *zap.Logger
-	creds credentials.TransportCredentials
+	cfg      *Config
+	log      *zap.Logger
+	creds    credentials.TransportCredentials
+	conn     *connector
+	sessions atomic.Int64 // sessions acknowledged so far
+	current  atomic.Pointer[tunnelcore.Session]
+	budget   *tunnelcore.Budget // windows above 64 KiB, shared by the agent's sessions
 	// laneRetryAt is when sessions may try the data lane again after one
 	// failed to open (unix nanoseconds; see laneRetryAfter).
 	laneRetryAt atomic.Int64
-	conn        *connector
-	sessions    atomic.Int64 // sessions acknowledged so far
-	current     atomic.Pointer[tunnelcore.Session]
-	budget      *tunnelcore.Budget // windows above 64 KiB, shared by the agent's sessions
 
 	backoffInitial, backoffMax time.Duration
 	ackTimeout                 time.Duration

@@ -32,7 +32,7 @@ func TestLaneTicketsAreGoodOnce(t *testing.T) {
 	if !tickets.claim(ticket, a) {
 		t.Fatal("the offered ticket was not claimed")
 	}
-	if got := <-lanes; got != a {
+	if got := receiveLane(t, lanes); got != a {
 		t.Fatal("the claimed lane did not reach the offer")
 	}
 	if tickets.claim(ticket, a) {
@@ -58,11 +58,25 @@ func TestLaneWithdrawClosesAnUntakenLane(t *testing.T) {
 	}
 }
 
+// receiveLane waits a bounded time for the lane an offer was given.
+func receiveLane(t *testing.T, lanes <-chan net.Conn) net.Conn {
+	t.Helper()
+	select {
+	case c := <-lanes:
+		return c
+	case <-time.After(5 * time.Second):
+		t.Fatal("no lane reached the offer")
+		return nil
+	}
+}
+
 // handshake runs laneCreds' server side over a pipe whose client writes
-// hello first.
+// hello first; the pipe's deadline bounds it, as gRPC's connection timeout
+// bounds a real handshake.
 func handshake(t *testing.T, c *laneCreds, hello string) (net.Conn, net.Conn, error) {
 	t.Helper()
 	server, client := net.Pipe()
+	server.SetDeadline(time.Now().Add(5 * time.Second))
 	t.Cleanup(func() { server.Close(); client.Close() })
 	go client.Write([]byte(hello))
 	conn, _, err := c.ServerHandshake(server)
@@ -81,6 +95,7 @@ func TestLaneCredsSplitLanesFromGRPC(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 		got := make([]byte, len(preface))
 		if _, err := io.ReadFull(conn, got); err != nil || string(got) != preface {
 			t.Fatalf("gRPC read %q, %v", got, err)
@@ -93,7 +108,8 @@ func TestLaneCredsSplitLanesFromGRPC(t *testing.T) {
 		if !errors.Is(err, credentials.ErrConnDispatched) {
 			t.Fatalf("err %v, want ErrConnDispatched", err)
 		}
-		lane := <-lanes
+		lane := receiveLane(t, lanes)
+		lane.SetReadDeadline(time.Now().Add(5 * time.Second))
 		got := make([]byte, 5)
 		if _, err := io.ReadFull(lane, got); err != nil || string(got) != "after" {
 			t.Fatalf("the lane read %q, %v: the preface must be all it consumed", got, err)
@@ -108,6 +124,7 @@ func TestLaneCredsSplitLanesFromGRPC(t *testing.T) {
 			before := len(refused)
 			server, client := net.Pipe()
 			defer client.Close()
+			server.SetDeadline(time.Now().Add(5 * time.Second))
 			go func() {
 				client.Write([]byte(tc.hello))
 				if tc.hello == "SLUICE" {

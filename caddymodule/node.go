@@ -107,7 +107,7 @@ type nodeOptions struct {
 	portRange           portRange     // ports agents may claim; zero: the node binds none
 	tcpBind             string        // host the claimed ports bind on ("" = all)
 	verbatimIdleTimeout time.Duration // default idle bound of relayed TCP connections; 0 = off
-	noDataLane          bool          // offer agents no data lane (App.DataLane off)
+	noDataLane          bool          // offer agents no data lane (App.DisableDataLane)
 }
 
 // nodeKey identifies a node in the pool.
@@ -546,20 +546,18 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 	case conn := <-lanes:
 		op = opening{lane: conn, frames: tunnelcore.ConnStream(conn), grpcRecv: ch}
 		r = readLaneAdvertise(conn, op.frames, ch, timer.C)
-		if r.err != nil {
-			op.frames.Close(r.err)
-		}
 	case <-timer.C:
 		r.err = errNoAdvertise
 	}
+	var err error
 	if errors.Is(r.err, errNoAdvertise) {
-		return op, status.Errorf(codes.DeadlineExceeded, "no Advertise within %v", timeout)
+		err = status.Errorf(codes.DeadlineExceeded, "no Advertise within %v", timeout)
+	} else {
+		op.adv, err = checkAdvertise(r)
 	}
-	adv, err := checkAdvertise(r)
 	if err != nil && op.frames != nil {
-		op.frames.Close(err)
+		op.frames.Close(err) // the lane of a refused stream
 	}
-	op.adv = adv
 	return op, err
 }
 

@@ -9,7 +9,6 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"google.golang.org/grpc/mem"
@@ -38,9 +37,9 @@ import (
 func ConnStream(conn net.Conn) LaneStream {
 	s := &connStream{conn: conn, rd: laneReader{r: conn}, recvEnded: make(chan struct{})}
 	if _, ok := conn.(*net.TCPConn); !ok {
-		// Only a TCP (or Unix) socket writes net.Buffers with one writev;
-		// anything else (TLS) would write the 5-byte header on its own, a
-		// record and a syscall of its own.
+		// A bare TCP socket writes net.Buffers with one writev; anything
+		// else (TLS) would write the 5-byte header on its own, a record
+		// and a syscall of its own.
 		s.bw = bufio.NewWriterSize(conn, laneWriteBuffer)
 	}
 	return s
@@ -383,15 +382,6 @@ func unexpected(err error) error {
 
 // ConnProgress reads the bytes the peer acknowledged on conn's socket, for
 // Config.Progress of a session on a ConnStream; nil when conn is not TCP
-// underneath or the platform has no TCP_INFO. A TLS conn is looked through
-// (NetConn), and so is gRPC's wrapper of one, which exposes the socket
-// under it (syscall.Conn) but not the TLS conn's NetConn.
-func ConnProgress(conn net.Conn) func() uint64 {
-	if p := socketProgress(conn); p != nil {
-		return p
-	}
-	if sc, ok := conn.(syscall.Conn); ok {
-		return syscallProgress(sc)
-	}
-	return nil
-}
+// underneath (looking through NetConn, as of a TLS conn or OverSocket) or
+// the platform has no TCP_INFO.
+func ConnProgress(conn net.Conn) func() uint64 { return socketProgress(conn) }

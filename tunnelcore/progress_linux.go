@@ -19,16 +19,6 @@ func socketProgress(c net.Conn) func() uint64 {
 	return func() uint64 { return bytesAcked(rc) }
 }
 
-// syscallProgress is socketProgress for a connection that exposes only its
-// socket.
-func syscallProgress(sc syscall.Conn) func() uint64 {
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return nil
-	}
-	return func() uint64 { return bytesAcked(rc) }
-}
-
 // rawTCPConn is the TCP socket under c, or nil when there is none.
 func rawTCPConn(c net.Conn) syscall.RawConn {
 	tc := tcpConnOf(c)

@@ -2,10 +2,7 @@
 
 package tunnelcore
 
-import (
-	"net"
-	"syscall"
-)
+import "net"
 
 // socketProgress has no portable source of delivered bytes off Linux: the
 // stall watchdog times blocked Sends alone there.
@@ -14,5 +11,3 @@ func socketProgress(net.Conn) func() uint64 { return nil }
 // sendQueue has no portable source off Linux: a relay then gives a real
 // side closeFlush after its half-close instead.
 func sendQueue(net.Conn) func() int { return nil }
-
-func syscallProgress(syscall.Conn) func() uint64 { return nil }

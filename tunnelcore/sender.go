@@ -32,11 +32,11 @@ type sender struct {
 	ready  fifo[*Conn]
 	closed bool
 
-	// batching is set when the stream holds frames until flushed
-	// (batchingStream); marks are the Flush marks the sender reached
-	// whose frames the stream may still hold.
-	batching bool
-	marks    []chan struct{}
+	// batch is the stream when it holds frames until flushed
+	// (batchingStream), else nil; marks are the Flush marks the sender
+	// reached whose frames the stream may still hold.
+	batch batchingStream
+	marks []chan struct{}
 
 	// full is set while the paced control frames are over their bound,
 	// until they are down to half (read by the receive loop without the
@@ -115,7 +115,7 @@ type batchingStream interface {
 
 func (q *sender) init(s *Session) {
 	q.s = s
-	_, q.batching = s.stream.(batchingStream)
+	q.batch, _ = s.stream.(batchingStream)
 	q.wake = make(chan struct{}, 1)
 	q.room = make(chan struct{}, 1)
 }
@@ -208,7 +208,7 @@ func (s *Session) owe(it ctrlItem, queued *bool, record func()) {
 func (q *sender) popControlLocked() (*tunnelpb.Envelope, *Conn) {
 	it := q.ctrl.pop()
 	if it.flushed != nil {
-		if q.batching {
+		if q.batch != nil {
 			// Sent means written: the stream still holds what came
 			// before the mark until the loop flushes it.
 			q.marks = append(q.marks, it.flushed)
@@ -433,7 +433,7 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 				q.s.removeConn(ended)
 			}
 			if env == nil { // a Flush mark
-				if q.batching {
+				if q.batch != nil {
 					return nil, nil
 				}
 				continue
@@ -481,14 +481,14 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 }
 
 func (q *sender) loop() {
-	wait, yielded := !q.batching, false
+	wait, yielded := q.batch == nil, false
 	for {
 		env, _ := q.next(wait)
 		if env == nil {
-			if !q.batching || q.ended() {
+			if q.batch == nil || q.ended() {
 				return
 			}
-			if !wait && !yielded && q.s.stream.(batchingStream).Holding() {
+			if !wait && !yielded && q.batch.Holding() {
 				// Nothing queued, a few small frames held: let the
 				// goroutines that are about to queue run first, as
 				// gRPC's writer does before it flushes, so that their
@@ -506,7 +506,7 @@ func (q *sender) loop() {
 			wait, yielded = true, false
 			continue
 		}
-		wait, yielded = !q.batching, false
+		wait, yielded = q.batch == nil, false
 		q.sendingSince.Store(time.Now().UnixNano())
 		err := q.s.stream.Send(env)
 		q.sendingSince.Store(0)
@@ -529,7 +529,7 @@ func (q *sender) ended() bool {
 // covered.
 func (q *sender) flushStream() error {
 	q.sendingSince.Store(time.Now().UnixNano())
-	err := q.s.stream.(batchingStream).Flush()
+	err := q.batch.Flush()
 	q.sendingSince.Store(0)
 	if err != nil {
 		return err
