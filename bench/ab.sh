@@ -5,6 +5,7 @@
 #   bench/ab.sh REV_A [REV_B]     # REV: a git revision, or . for the working tree (B's default)
 #   AB_ROUNDS=10 bench/ab.sh HEAD~1
 #   AB_SIZE=$((1<<30)) bench/ab.sh main .
+#   AB_LOADS="http tcp" bench/ab.sh HEAD   # only some of the loads
 #
 # It builds Caddy (./xcaddy.sh) and sluice-agent at both revisions (a git
 # worktree per revision, in the temp dir), starts one upstream, and for each
@@ -157,7 +158,7 @@ measure() {
 	esac
 }
 
-loads=(http tcp dl par)
+read -ra loads <<<"${AB_LOADS:-http tcp dl par}"
 declare -A VAL CPU # VAL[load,side] / CPU[load,side]: space-separated per round
 log "A = $REV_A, B = $REV_B: $ROUNDS rounds of ${loads[*]} (wrk $WRK_AB, download $((SIZE >> 20)) MiB)"
 printf '%-5s %-5s %12s %10s %12s %10s\n' round load "A value" "A cpu" "B value" "B cpu"

@@ -77,30 +77,41 @@ func marshalProto(m proto.Message) (mem.BufferSlice, error) {
 // marshalData writes the Frame{data: Data{conn_id, payload}} header and hands
 // the payload buffers to gRPC without copying them.
 func marshalData(e *Envelope) mem.BufferSlice {
-	plen := e.Payload.Len()
-	inner := 0
-	if e.ConnID != 0 {
-		inner += 1 + protowire.SizeVarint(e.ConnID)
-	}
-	if plen > 0 {
-		inner += 1 + protowire.SizeVarint(uint64(plen)) + plen
-	}
-	hdr := make([]byte, 0, 32)
-	hdr = protowire.AppendTag(hdr, dataFrameField, protowire.BytesType)
-	hdr = protowire.AppendVarint(hdr, uint64(inner))
-	if e.ConnID != 0 {
-		hdr = protowire.AppendTag(hdr, connIDField, protowire.VarintType)
-		hdr = protowire.AppendVarint(hdr, e.ConnID)
-	}
-	if plen > 0 {
-		hdr = protowire.AppendTag(hdr, payloadField, protowire.BytesType)
-		hdr = protowire.AppendVarint(hdr, uint64(plen))
-	}
+	hdr := AppendDataHeader(make([]byte, 0, MaxDataHeader), e.ConnID, e.Payload.Len())
 	out := make(mem.BufferSlice, 0, 1+len(e.Payload))
 	out = append(out, mem.SliceBuffer(hdr))
 	out = append(out, e.Payload...)
 	e.Payload = nil // ownership moved to gRPC
 	return out
+}
+
+// MaxDataHeader is room enough for what AppendDataHeader appends for any
+// payload under 256 MiB (21 bytes at most).
+const MaxDataHeader = 32
+
+// AppendDataHeader appends the protobuf bytes of a DATA frame of connID that
+// come before its plen payload bytes: a frame is these bytes followed by
+// the payload, which lets a sender write the payload from elsewhere (a
+// kernel pipe) without building the frame in memory.
+func AppendDataHeader(dst []byte, connID uint64, plen int) []byte {
+	inner := 0
+	if connID != 0 {
+		inner += 1 + protowire.SizeVarint(connID)
+	}
+	if plen > 0 {
+		inner += 1 + protowire.SizeVarint(uint64(plen)) + plen
+	}
+	dst = protowire.AppendTag(dst, dataFrameField, protowire.BytesType)
+	dst = protowire.AppendVarint(dst, uint64(inner))
+	if connID != 0 {
+		dst = protowire.AppendTag(dst, connIDField, protowire.VarintType)
+		dst = protowire.AppendVarint(dst, connID)
+	}
+	if plen > 0 {
+		dst = protowire.AppendTag(dst, payloadField, protowire.BytesType)
+		dst = protowire.AppendVarint(dst, uint64(plen))
+	}
+	return dst
 }
 
 // Unmarshal implements encoding.CodecV2.

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unicode/utf8"
 
@@ -481,27 +482,77 @@ func (c *Conn) Write(p []byte) (int, error) {
 
 // ReadFrom implements io.ReaderFrom: it reads from r straight into the
 // buffers it hands to the sender, sending no more than the peer's credit.
+// From a TCP socket onto a plaintext lane, a connection whose reads show
+// bulk moves its payloads inside the kernel instead (see splice.go).
 func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
+	var src syscall.RawConn
+	if c.s.sender.splice != nil {
+		src = spliceSource(r)
+	}
 	var total int64
-	pool := bufferPool
 	for {
-		n, err := c.reserve(c.s.cfg.MaxFrameSize)
+		m, err := c.readFrame(r)
+		total += int64(m)
+		if err != nil {
+			if err == io.EOF {
+				return total, nil
+			}
+			return total, err
+		}
+		if src != nil && m >= spliceAbove {
+			if p := pipes.get(); p != nil {
+				n, err := c.spliceFrom(src, p)
+				return total + n, err
+			}
+			src = nil // no pipe to be had: copy
+		}
+	}
+}
+
+// readFrame reads one frame's worth from r into a buffer and queues it,
+// returning its length; io.EOF at r's end.
+func (c *Conn) readFrame(r io.Reader) (int, error) {
+	n, err := c.reserve(c.s.cfg.MaxFrameSize)
+	if err != nil {
+		return 0, err
+	}
+	pool := bufferPool
+	buf := pool.Get(n)
+	m, rerr := r.Read(*buf)
+	if m < n {
+		c.unreserve(int64(n), int64(m))
+	}
+	if m > 0 {
+		buf = fitBuffer(buf, m)
+		if err := c.s.sendData(c, mem.NewBuffer(buf, pool)); err != nil {
+			return 0, err
+		}
+	} else {
+		pool.Put(buf)
+	}
+	return m, rerr
+}
+
+// spliceFrom is ReadFrom's loop for a bulk connection from a TCP socket:
+// each frame's payload goes through pipe p, which it gives back.
+func (c *Conn) spliceFrom(src syscall.RawConn, p *kernelPipe) (total int64, err error) {
+	emptied := true
+	defer func() { pipes.put(p, emptied) }()
+	for {
+		n, err := c.reserve(min(c.s.cfg.MaxFrameSize, p.size))
 		if err != nil {
 			return total, err
 		}
-		buf := pool.Get(n)
-		m, rerr := r.Read(*buf)
+		m, rerr := p.fill(src, n)
 		if m < n {
 			c.unreserve(int64(n), int64(m))
 		}
 		if m > 0 {
-			buf = fitBuffer(buf, m)
-			if err := c.s.sendData(c, mem.NewBuffer(buf, pool)); err != nil {
+			emptied, err = c.s.sendSpliced(c, p, m)
+			if err != nil {
 				return total, err
 			}
 			total += int64(m)
-		} else {
-			pool.Put(buf)
 		}
 		if rerr == io.EOF {
 			return total, nil

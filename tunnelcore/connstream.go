@@ -9,6 +9,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"google.golang.org/grpc/mem"
@@ -36,11 +37,14 @@ import (
 // says. Close closes conn, which ends both.
 func ConnStream(conn net.Conn) LaneStream {
 	s := &connStream{conn: conn, rd: laneReader{r: conn}, recvEnded: make(chan struct{})}
-	if _, ok := conn.(*net.TCPConn); !ok {
+	tc, ok := conn.(*net.TCPConn)
+	if !ok {
 		// A bare TCP socket writes net.Buffers with one writev; anything
 		// else (TLS) would write the 5-byte header on its own, a record
 		// and a syscall of its own.
 		s.bw = bufio.NewWriterSize(conn, laneWriteBuffer)
+	} else if spliceSupported {
+		s.raw, _ = tc.SyscallConn()
 	}
 	return s
 }
@@ -57,6 +61,7 @@ type LaneStream interface {
 	CloseWrite() error
 	PeerEnded() bool
 	RecvEnded() <-chan struct{}
+	splicingStream
 }
 
 // OverSocket marks conn (a TLS conn, or gRPC credentials' wrapper of one,
@@ -112,7 +117,8 @@ type connStream struct {
 	hdrs    []byte // the pending frames' headers, 5 bytes each
 	held    []mem.BufferSlice
 	size    int
-	bw      *bufio.Writer // nil on a bare socket
+	bw      *bufio.Writer   // nil on a bare socket
+	raw     syscall.RawConn // the bare socket's, where splice works; else nil
 
 	rd laneReader
 
@@ -171,6 +177,28 @@ func (s *connStream) Send(e *tunnelpb.Envelope) error {
 
 // maxLaneIovecs keeps a writev within Linux's 1024 buffers.
 const maxLaneIovecs = 512
+
+// canSplice implements splicingStream: a plaintext lane on Linux.
+func (s *connStream) canSplice() bool { return s.raw != nil }
+
+// sendSpliced implements splicingStream: the frame's lane header and
+// prefix go out with whatever Send still holds, in one writev, then the
+// payload moves from the pipe into the socket.
+func (s *connStream) sendSpliced(prefix []byte, p *kernelPipe, n int) error {
+	size := len(prefix) + n
+	if size > maxLaneMessage {
+		return fmt.Errorf("%w: %d bytes", ErrLaneMessageTooLarge, size)
+	}
+	hdr := make([]byte, 0, 5+len(prefix))
+	hdr = append(hdr, 0)
+	hdr = binary.BigEndian.AppendUint32(hdr, uint32(size))
+	hdr = append(hdr, prefix...)
+	s.pending = append(s.pending, hdr)
+	if err := s.Flush(); err != nil {
+		return err
+	}
+	return p.drain(s.raw, n)
+}
 
 // Holding reports whether Send holds a few small frames (under
 // laneYieldBelow bytes together) that Flush would write: the requests and

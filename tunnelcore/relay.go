@@ -184,7 +184,7 @@ func (r *relay) pipe(i int, n *int64) {
 	defer r.wg.Done()
 	src, dst := r.conns[i], r.conns[1-i]
 	var err error
-	*n, err = io.Copy(dst, src)
+	*n, err = copyConn(dst, src)
 	close(r.copied[i])
 	switch {
 	case err == nil || closedBy(src, err):
@@ -203,6 +203,18 @@ func (r *relay) pipe(i int, n *int64) {
 	default:
 		r.abort(err) // a session's end too: the stream was cut short
 	}
+}
+
+// copyConn is io.Copy, except that a Conn reading a TCP socket is given
+// the socket itself: io.Copy prefers the socket's WriteTo, which hands the
+// Conn a wrapper that hides the socket, and with it splicing.
+func copyConn(dst, src net.Conn) (int64, error) {
+	if vc, ok := dst.(*Conn); ok {
+		if _, ok := src.(*net.TCPConn); ok {
+			return vc.ReadFrom(src)
+		}
+	}
+	return io.Copy(dst, src)
 }
 
 // closedBy reports whether err is c's peer having closed c (a Conn's

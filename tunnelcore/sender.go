@@ -12,10 +12,12 @@ import (
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
-// sender is the only goroutine that writes to the stream. Control frames
+// sender is the goroutine that writes frames to the stream. Control frames
 // (window updates, session frames, refusals) go first; connection frames are
 // taken one at a time from the connections round-robin, so a busy connection
-// cannot starve the others. It blocks in FrameStream.Send while the stream is
+// cannot starve the others. The one other writer is a connection splicing a
+// payload into a plaintext lane (sendSpliced): it takes the stream
+// (streamMu) while the sender has nothing queued. It blocks in FrameStream.Send while the stream is
 // not ready (gRPC flow control), and nothing queues without bound in front of
 // it: each connection's queue is bounded by Config.SendQueue.
 type sender struct {
@@ -37,6 +39,13 @@ type sender struct {
 	// reached whose frames the stream may still hold.
 	batch batchingStream
 	marks []chan struct{}
+
+	// streamMu is held by whoever writes to the stream: the loop from
+	// when it takes a frame until it flushed and found nothing more
+	// (holding, the loop's own), or a connection splicing a frame.
+	streamMu sync.Mutex
+	holding  bool
+	splice   splicingStream // the stream, when it can splice; else nil
 
 	// full is set while the paced control frames are over their bound,
 	// until they are down to half (read by the receive loop without the
@@ -116,6 +125,9 @@ type batchingStream interface {
 func (q *sender) init(s *Session) {
 	q.s = s
 	q.batch, _ = s.stream.(batchingStream)
+	if sp, ok := s.stream.(splicingStream); ok && sp.canSplice() {
+		q.splice = sp
+	}
 	q.wake = make(chan struct{}, 1)
 	q.room = make(chan struct{}, 1)
 }
@@ -351,6 +363,57 @@ func (s *Session) sendData(c *Conn, b mem.Buffer) error {
 	return nil
 }
 
+// sendSpliced writes a DATA frame of c whose n payload bytes wait in
+// pipe p (see splice.go), whose bytes Conn.reserve charged: it takes the
+// stream from the sender, so the frame goes out between two of the
+// sender's writes. It reports whether the pipe was emptied: when it was
+// not (an error), the caller must not reuse it.
+func (s *Session) sendSpliced(c *Conn, p *kernelPipe, n int) (emptied bool, err error) {
+	s.sender.streamMu.Lock()
+	return s.spliceHeld(c, p, n)
+}
+
+// spliceHeld is sendSpliced once the stream is taken; it gives it back.
+//
+// Frames c queued that the sender has not sent yet (its Connect, a
+// concurrent Write's) must go first: then the payload is read out of the
+// pipe and queued behind them instead, as the copying path would have.
+func (s *Session) spliceHeld(c *Conn, p *kernelPipe, n int) (emptied bool, err error) {
+	q := &s.sender
+	q.mu.Lock()
+	refused := q.closed || c.removed || c.dataDone
+	behind := c.sq.len() > 0
+	q.mu.Unlock()
+	if refused || behind {
+		q.streamMu.Unlock()
+		if refused {
+			c.queued.Add(-frameCharge(int64(n)))
+			return false, c.dataRefused(int64(n))
+		}
+		buf := bufferPool.Get(n)
+		if err := p.read(*buf); err != nil {
+			bufferPool.Put(buf)
+			c.queued.Add(-frameCharge(int64(n)))
+			return false, err
+		}
+		return true, s.sendData(c, mem.NewBuffer(buf, bufferPool))
+	}
+	var prefix [tunnelpb.MaxDataHeader]byte
+	q.sendingSince.Store(time.Now().UnixNano())
+	err = q.splice.sendSpliced(tunnelpb.AppendDataHeader(prefix[:0], c.id, n), p, n)
+	q.sendingSince.Store(0)
+	q.streamMu.Unlock()
+	c.queued.Add(-frameCharge(int64(n)))
+	notify(c.writeNotify)
+	if err != nil {
+		s.CloseWithError(err)
+		return false, c.dataRefused(int64(n))
+	}
+	c.bytesWritten.Add(int64(n))
+	s.spliced.Add(int64(n))
+	return true, nil
+}
+
 // enqueue queues env for c and reports whether it did; fin marks the last
 // frame of c's byte stream, after which DATA is refused. A frame refused
 // (the session or c ended) is discarded.
@@ -426,6 +489,13 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 			q.mu.Unlock()
 			return nil, nil
 		}
+		if !q.holding && (q.ctrl.len() > 0 || q.ready.len() > 0) {
+			// Take the stream first: a connection may be splicing.
+			q.mu.Unlock()
+			q.streamMu.Lock()
+			q.holding = true
+			continue
+		}
 		if q.ctrl.len() > 0 {
 			env, ended := q.popControlLocked()
 			q.mu.Unlock()
@@ -470,8 +540,9 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 		}
 		q.mu.Unlock()
 		if !wait {
-			return nil, nil
+			return nil, nil // the loop keeps the stream to flush it
 		}
+		q.release()
 		select {
 		case <-q.wake:
 		case <-q.s.done:
@@ -480,7 +551,16 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 	}
 }
 
+// release gives the stream up, if the loop has it.
+func (q *sender) release() {
+	if q.holding {
+		q.holding = false
+		q.streamMu.Unlock()
+	}
+}
+
 func (q *sender) loop() {
+	defer q.release()
 	wait, yielded := q.batch == nil, false
 	for {
 		env, _ := q.next(wait)

@@ -31,6 +31,7 @@ type Session struct {
 	accept chan *Conn
 
 	buffered atomic.Int64 // bytes received and not yet read, all connections
+	spliced  atomic.Int64 // DATA bytes sent by splice (Stats.Spliced)
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -319,6 +320,9 @@ type Stats struct {
 	// Queued is the bytes of DATA waiting in front of the sender, each
 	// frame counted at least minFrameCharge (4 KiB), the buffer it holds.
 	Queued int64
+	// Spliced is the DATA bytes sent so far that moved from a socket into
+	// the stream inside the kernel (splice.go).
+	Spliced int64
 }
 
 // Stats returns what the session holds now.
@@ -330,7 +334,7 @@ func (s *Session) Stats() Stats {
 		queued += c.queued.Load()
 	}
 	s.mu.Unlock()
-	return Stats{Conns: n, Buffered: s.buffered.Load(), Queued: queued}
+	return Stats{Conns: n, Buffered: s.buffered.Load(), Queued: queued, Spliced: s.spliced.Load()}
 }
 
 // Conns returns the connections open on the session.

@@ -1,0 +1,115 @@
+package tunnelcore
+
+import (
+	"net"
+	"sync"
+	"syscall"
+)
+
+// Splicing. A virtual connection relaying a TCP socket onto a plaintext
+// data lane (the agent's side of a download: upstream socket → lane
+// socket) moves each DATA payload inside the kernel: splice(2) from the
+// source socket into a pipe, then the frame's header written to the lane
+// and splice(2) from the pipe into the lane's socket. The bytes are never
+// copied into the process and out again, which was the largest single cost
+// of an agent relaying a download (its copy into the lane's socket, from
+// buffers that had left the CPU cache, cost four times per byte what a
+// bare relay's does). The wire is unchanged: the peer reads the same
+// frames. TLS lanes and other sources keep the copying path.
+
+// spliceAbove is the read that moves a connection onto splicing: one that
+// filled this much is bulk, where the pipe pays for its two descriptors
+// and the extra system call per frame. Interactive connections never take
+// a pipe.
+const spliceAbove = 64 << 10
+
+// splicingStream is a stream that can write a DATA frame whose payload
+// waits in a kernel pipe (ConnStream over a bare TCP socket, on Linux).
+type splicingStream interface {
+	// canSplice reports whether sendSpliced works on this stream.
+	canSplice() bool
+	// sendSpliced writes prefix, the frame's header, then moves n bytes
+	// from p into the stream. It is called with the stream to itself
+	// (sender.streamMu), after everything held was flushed.
+	sendSpliced(prefix []byte, p *kernelPipe, n int) error
+}
+
+// pipePool keeps a few idle pipes and bounds how many exist: each is two
+// descriptors, and past maxPipes a bulk connection keeps copying.
+type pipePool struct {
+	mu    sync.Mutex
+	idle  []*kernelPipe
+	inUse int
+}
+
+const (
+	maxPipes     = 256
+	maxIdlePipes = 16
+	// pipeSize is the capacity asked for each pipe: the default
+	// MaxFrameSize, so that a frame takes one splice each way.
+	pipeSize = DefaultMaxFrameSize
+)
+
+// pipes is the process's pipe pool, shared by every session as bufferPool
+// is.
+var pipes pipePool
+
+// get returns an empty pipe, or nil when there are maxPipes already or
+// the system gives no pipe of useful size (its per-user pipe memory is
+// spent, say).
+func (pp *pipePool) get() *kernelPipe {
+	pp.mu.Lock()
+	if n := len(pp.idle); n > 0 {
+		p := pp.idle[n-1]
+		pp.idle = pp.idle[:n-1]
+		pp.inUse++
+		pp.mu.Unlock()
+		return p
+	}
+	if pp.inUse >= maxPipes {
+		pp.mu.Unlock()
+		return nil
+	}
+	pp.inUse++
+	pp.mu.Unlock()
+	p, err := newKernelPipe(pipeSize)
+	if err != nil {
+		pp.release()
+		return nil
+	}
+	return p
+}
+
+// put takes back a pipe; one that may still hold bytes (empty false) is
+// closed instead of kept.
+func (pp *pipePool) put(p *kernelPipe, empty bool) {
+	pp.mu.Lock()
+	pp.inUse--
+	if empty && len(pp.idle) < maxIdlePipes {
+		pp.idle = append(pp.idle, p)
+		pp.mu.Unlock()
+		return
+	}
+	pp.mu.Unlock()
+	p.close()
+}
+
+func (pp *pipePool) release() {
+	pp.mu.Lock()
+	pp.inUse--
+	pp.mu.Unlock()
+}
+
+// spliceSource returns the raw descriptor of r when splicing from it is
+// possible: a TCP socket, read by nothing else that could hold bytes back.
+func spliceSource(r any) syscall.RawConn {
+	tc, ok := r.(*net.TCPConn)
+	if !ok || !spliceSupported {
+		return nil
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
+}
