@@ -133,6 +133,7 @@ log "$RSS_NOTE"
 # (2) PAR_N concurrent downloads, aggregate over the wall time of the batch
 parallel() {
 	local p=$1 i t0 t1 total=0 code size t cp=()
+	cpu_start
 	t0=$(date +%s.%N)
 	for i in $(seq 1 "$PAR_N"); do
 		"${PIN_PUBLIC[@]}" curl -s -o /dev/null --max-time 300 -H "Host: $HOST" \
@@ -150,6 +151,7 @@ parallel() {
 		total=$((total + ${size:-0}))
 	done
 	R[parallel,$p]=$(calc %.1f "$total / ($t1 - $t0) / 1e6")
+	cpu_stop cpu_par "$p" "$total + 1" 1e9
 }
 
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -177,6 +179,7 @@ row parallel "${PAR_N}x $((PAR_SIZE >> 20)) MiB aggregate, MB/s"
 rows_requests
 sep
 rows_cpu cpu_single "1x download" s/GB
+rows_cpu cpu_par "${PAR_N}x downloads" s/GB
 rows_cpu cpu_small "small GET" us/req
 echo
 echo "idle connections: N=$IDLE_N; $RSS_NOTE"
