@@ -37,6 +37,15 @@ var transports = []transport{
 // lanePair connects two ConnStreams over a loopback TCP connection, the
 // data lane's transport.
 func lanePair(t testing.TB) (FrameStream, FrameStream) {
+	client, server := tcpPair(t)
+	a, b := ConnStream(server), ConnStream(client)
+	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
+	return a, b
+}
+
+// tcpPair returns both ends of a loopback TCP connection.
+func tcpPair(t testing.TB) (*net.TCPConn, *net.TCPConn) {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -44,24 +53,24 @@ func lanePair(t testing.TB) (FrameStream, FrameStream) {
 	defer lis.Close()
 	accepted := make(chan net.Conn, 1)
 	go func() {
-		c, err := lis.Accept()
-		if err != nil {
-			close(accepted)
-			return
-		}
+		c, _ := lis.Accept()
 		accepted <- c
 	}()
-	client, err := net.Dial("tcp", lis.Addr().String())
+	a, err := net.Dial("tcp", lis.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	server, ok := <-accepted
-	if !ok {
+	var b net.Conn
+	select {
+	case b = <-accepted:
+	case <-time.After(5 * time.Second):
+		t.Fatal("accept timed out")
+	}
+	if b == nil {
 		t.Fatal("accept failed")
 	}
-	a, b := ConnStream(server), ConnStream(client)
-	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	return a, b
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a.(*net.TCPConn), b.(*net.TCPConn)
 }
 
 func pipePair(t testing.TB) (FrameStream, FrameStream) {

@@ -8,41 +8,10 @@ import (
 	"errors"
 	"io"
 	"math/rand/v2"
-	"net"
 	"syscall"
 	"testing"
 	"time"
 )
-
-// tcpPair returns both ends of a loopback TCP connection.
-func tcpPair(t testing.TB) (*net.TCPConn, *net.TCPConn) {
-	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lis.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, _ := lis.Accept()
-		accepted <- c
-	}()
-	a, err := net.Dial("tcp", lis.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b net.Conn
-	select {
-	case b = <-accepted:
-	case <-time.After(5 * time.Second):
-		t.Fatal("accept timed out")
-	}
-	if b == nil {
-		t.Fatal("accept failed")
-	}
-	t.Cleanup(func() { a.Close(); b.Close() })
-	return a.(*net.TCPConn), b.(*net.TCPConn)
-}
 
 // TestRelayFromASocketKeepsEveryByte: an agent relaying a TCP upstream
 // that writes in pieces of every size delivers the same bytes over every
