@@ -15,11 +15,12 @@ import (
 // sender is the goroutine that writes frames to the stream. Control frames
 // (window updates, session frames, refusals) go first; connection frames are
 // taken one at a time from the connections round-robin, so a busy connection
-// cannot starve the others. The one other writer is a connection splicing a
-// payload into a plaintext lane (sendSpliced): it takes the stream
-// (streamMu) while the sender has nothing queued. It blocks in FrameStream.Send while the stream is
-// not ready (gRPC flow control), and nothing queues without bound in front of
-// it: each connection's queue is bounded by Config.SendQueue.
+// cannot starve the others. It blocks in FrameStream.Send while the stream
+// is not ready (gRPC flow control), and nothing queues without bound in
+// front of it: each connection's queue is bounded by Config.SendQueue. The
+// one other writer is a connection splicing a payload into a plaintext lane
+// (sendSpliced), which takes the stream (streamMu) between the sender's
+// writes.
 type sender struct {
 	s    *Session
 	wake chan struct{}
