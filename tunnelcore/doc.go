@@ -9,8 +9,10 @@
 // until they drain, see controlQueueBound; small DATA frames are charged the
 // memory they hold, see smallPayload and minFrameCharge), the stall watchdog
 // (with the gRPC credentials
-// wrapper that lets it read the socket's progress), and the relay that copies
-// between a Conn and a real connection.
+// wrapper that lets it read the socket's progress), the data lane's stream
+// (ConnStream), and the relay that copies between a Conn and a real
+// connection (splicing bulk payloads from a TCP socket into a plaintext
+// lane, see splice.go).
 //
 // Nothing here knows about Caddy, routes or agents: callers exchange the
 // session-level frames (Advertise, AdvertiseAck, Drain, ...) through
