@@ -78,6 +78,45 @@ func TestRelayFromASocketKeepsEveryByte(t *testing.T) {
 	})
 }
 
+// TestRelayCopiesWhenNoPipeIsLeft: with every pipe of the process taken, a
+// bulk relay onto a plaintext lane copies instead, and loses nothing.
+func TestRelayCopiesWhenNoPipeIsLeft(t *testing.T) {
+	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
+	if agent.sender.splice == nil {
+		t.Skip("the lane cannot splice here")
+	}
+	var taken []*kernelPipe
+	defer func() {
+		for _, p := range taken {
+			pipes.put(p, true)
+		}
+	}()
+	for p := pipes.get(); p != nil; p = pipes.get() {
+		taken = append(taken, p)
+	}
+	const size = 4 << 20
+	upstream, agentSide := tcpPair(t)
+	go func() {
+		upstream.Write(bytes.Repeat([]byte{7}, size))
+		upstream.CloseWrite()
+	}()
+	c, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	go Relay(agentSide, ac)
+	c.CloseWrite()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil || len(got) != size || !bytes.Equal(got, bytes.Repeat([]byte{7}, size)) {
+		t.Fatalf("received %d of %d bytes: %v", len(got), size, err)
+	}
+	if s := agent.Stats().Spliced; s != 0 {
+		t.Fatalf("spliced %d bytes with no pipe to be had", s)
+	}
+}
+
 // filledPipe returns a pipe holding payload, moved in from a socket, with
 // its bytes reserved on c as ReadFrom would have.
 func filledPipe(t *testing.T, c *Conn, payload []byte) (*kernelPipe, int) {
