@@ -1,6 +1,7 @@
 package tunnelpb
 
 import (
+	"errors"
 	"fmt"
 
 	"google.golang.org/grpc/encoding"
@@ -23,10 +24,29 @@ type Envelope struct {
 	// gRPC, which frees them once written; Unmarshal fills it with
 	// references the receiver must Free.
 	Payload mem.BufferSlice
+	// Deferred, set by a sender instead of Payload, stands for a payload
+	// that is not in memory: a stream that knows it writes the frame's
+	// header (AppendDataHeader) and then moves the bytes in itself
+	// (tunnelcore's splicing on a data lane). Marshal refuses it.
+	Deferred Deferred
+}
+
+// Deferred is a DATA payload a stream writes itself (Envelope.Deferred).
+type Deferred interface {
+	// Len is the payload's length in bytes.
+	Len() int
 }
 
 // IsData reports whether the envelope carries a DATA frame.
 func (e *Envelope) IsData() bool { return e.Frame == nil }
+
+// DataLen is the length of a DATA envelope's payload, deferred or not.
+func (e *Envelope) DataLen() int {
+	if e.Deferred != nil {
+		return e.Deferred.Len()
+	}
+	return e.Payload.Len()
+}
 
 // CodecName is the name the codec reports. The codec is forced on the
 // Connect stream with grpc.ForceServerCodecV2 / grpc.ForceCodecV2, so the
@@ -57,6 +77,9 @@ func (Codec) Marshal(v any) (mem.BufferSlice, error) {
 	case *Envelope:
 		if m.Frame != nil {
 			return marshalProto(m.Frame)
+		}
+		if m.Deferred != nil {
+			return nil, errors.New("sluice codec: a deferred payload is written by its stream, not marshalled")
 		}
 		return marshalData(m), nil
 	case proto.Message:

@@ -490,7 +490,20 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 		src = spliceSource(r)
 	}
 	var total int64
+	bulk := false
 	for {
+		if bulk {
+			n, err := c.spliceFrom(src)
+			total += n
+			switch {
+			case err == io.EOF:
+				return total, nil
+			case err != errSpliceOff:
+				return total, err
+			}
+			// Copy until the next bulk read: past the urgent byte, or
+			// until a pipe is to be had.
+		}
 		m, err := c.readFrame(r)
 		total += int64(m)
 		if err != nil {
@@ -499,13 +512,7 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 			}
 			return total, err
 		}
-		if src != nil && m >= spliceAbove {
-			if p := pipes.get(); p != nil {
-				n, err := c.spliceFrom(src, p)
-				return total + n, err
-			}
-			src = nil // no pipe to be had: copy
-		}
+		bulk = src != nil && m >= spliceAbove
 	}
 }
 
@@ -534,32 +541,34 @@ func (c *Conn) readFrame(r io.Reader) (int, error) {
 }
 
 // spliceFrom is ReadFrom's loop for a bulk connection from a TCP socket:
-// each frame's payload goes through pipe p, which it gives back.
-func (c *Conn) spliceFrom(src syscall.RawConn, p *kernelPipe) (total int64, err error) {
-	emptied := true
-	defer func() { pipes.put(p, emptied) }()
+// each frame's payload goes through a pipe, which the sender drains into
+// the lane in the connection's turn. It returns io.EOF at the socket's
+// end and errSpliceOff when the connection is to go on copying.
+func (c *Conn) spliceFrom(src syscall.RawConn) (total int64, err error) {
+	f := &splicedFrame{done: make(chan error, 1)}
 	for {
-		n, err := c.reserve(min(c.s.cfg.MaxFrameSize, p.size))
+		n, err := c.reserve(min(c.s.cfg.MaxFrameSize, pipeSize))
 		if err != nil {
 			return total, err
 		}
-		m, rerr := p.fill(src, n)
-		if m < n {
-			c.unreserve(int64(n), int64(m))
+		p, m, err := fillPipe(src, n)
+		c.unreserve(int64(n), int64(m))
+		if err != nil {
+			return total, err
 		}
-		if m > 0 {
-			emptied, err = c.s.sendSpliced(c, p, m)
-			if err != nil {
-				return total, err
-			}
-			total += int64(m)
+		f.pipe, f.n = p, m
+		if !c.s.sendSpliced(c, f) {
+			pipes.put(p, false)
+			return total, c.dataRefused(int64(m))
 		}
-		if rerr == io.EOF {
-			return total, nil
+		if err := <-f.done; err != nil {
+			pipes.put(p, false) // it may still hold the payload
+			return total, c.dataRefused(int64(m))
 		}
-		if rerr != nil {
-			return total, rerr
-		}
+		pipes.put(p, true)
+		c.bytesWritten.Add(int64(m))
+		c.s.spliced.Add(int64(m))
+		total += int64(m)
 	}
 }
 

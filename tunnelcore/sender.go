@@ -17,10 +17,9 @@ import (
 // taken one at a time from the connections round-robin, so a busy connection
 // cannot starve the others. It blocks in FrameStream.Send while the stream
 // is not ready (gRPC flow control), and nothing queues without bound in
-// front of it: each connection's queue is bounded by Config.SendQueue. The
-// one other writer is a connection splicing a payload into a plaintext lane
-// (sendSpliced), which takes the stream (streamMu) between the sender's
-// writes.
+// front of it: each connection's queue is bounded by Config.SendQueue. A
+// payload spliced into a plaintext lane (sendSpliced) is queued and written
+// by the sender too, in its connection's turn.
 type sender struct {
 	s    *Session
 	wake chan struct{}
@@ -41,12 +40,8 @@ type sender struct {
 	batch batchingStream
 	marks []chan struct{}
 
-	// streamMu is held by whoever writes to the stream: the loop from
-	// when it takes a frame until it flushed and found nothing more
-	// (holding, the loop's own), or a connection splicing a frame.
-	streamMu sync.Mutex
-	holding  bool
-	splice   splicingStream // the stream, when it can splice; else nil
+	// splice is the stream when it can take spliced payloads, else nil.
+	splice splicingStream
 
 	// full is set while the paced control frames are over their bound,
 	// until they are down to half (read by the receive loop without the
@@ -364,55 +359,12 @@ func (s *Session) sendData(c *Conn, b mem.Buffer) error {
 	return nil
 }
 
-// sendSpliced writes a DATA frame of c whose n payload bytes wait in
-// pipe p (see splice.go), whose bytes Conn.reserve charged: it takes the
-// stream from the sender, so the frame goes out between two of the
-// sender's writes. It reports whether the pipe was emptied: when it was
-// not (an error), the caller must not reuse it.
-func (s *Session) sendSpliced(c *Conn, p *kernelPipe, n int) (emptied bool, err error) {
-	s.sender.streamMu.Lock()
-	return s.spliceHeld(c, p, n)
-}
-
-// spliceHeld is sendSpliced once the stream is taken; it gives it back.
-//
-// Frames c queued that the sender has not sent yet (its Connect, a
-// concurrent Write's) must go first: then the payload is read out of the
-// pipe and queued behind them instead, as the copying path would have.
-func (s *Session) spliceHeld(c *Conn, p *kernelPipe, n int) (emptied bool, err error) {
-	q := &s.sender
-	q.mu.Lock()
-	refused := q.closed || c.removed || c.dataDone
-	behind := c.sq.len() > 0
-	q.mu.Unlock()
-	if refused || behind {
-		q.streamMu.Unlock()
-		if refused {
-			c.queued.Add(-frameCharge(int64(n)))
-			return false, c.dataRefused(int64(n))
-		}
-		buf := bufferPool.Get(n)
-		if err := p.read(*buf); err != nil {
-			bufferPool.Put(buf)
-			c.queued.Add(-frameCharge(int64(n)))
-			return false, err
-		}
-		return true, s.sendData(c, mem.NewBuffer(buf, bufferPool))
-	}
-	var prefix [tunnelpb.MaxDataHeader]byte
-	q.sendingSince.Store(time.Now().UnixNano())
-	err = q.splice.sendSpliced(tunnelpb.AppendDataHeader(prefix[:0], c.id, n), p, n)
-	q.sendingSince.Store(0)
-	q.streamMu.Unlock()
-	c.queued.Add(-frameCharge(int64(n)))
-	notify(c.writeNotify)
-	if err != nil {
-		s.CloseWithError(err)
-		return false, c.dataRefused(int64(n))
-	}
-	c.bytesWritten.Add(int64(n))
-	s.spliced.Add(int64(n))
-	return true, nil
+// sendSpliced queues a DATA frame of c whose payload waits in a pipe
+// (see splice.go), whose bytes Conn.reserve charged, and reports whether
+// it did (not once c's write side or the session ended); f.done tells when
+// the sender wrote it or dropped it.
+func (s *Session) sendSpliced(c *Conn, f *splicedFrame) bool {
+	return s.sender.enqueue(c, &tunnelpb.Envelope{ConnID: c.id, Deferred: f}, false)
 }
 
 // enqueue queues env for c and reports whether it did; fin marks the last
@@ -443,9 +395,12 @@ func (q *sender) enqueue(c *Conn, env *tunnelpb.Envelope, fin bool) bool {
 func (q *sender) discard(c *Conn, env *tunnelpb.Envelope) {
 	if env.IsData() {
 		if c != nil {
-			c.queued.Add(-frameCharge(int64(env.Payload.Len())))
+			c.queued.Add(-frameCharge(int64(env.DataLen())))
 		}
 		env.Payload.Free()
+		if f, ok := env.Deferred.(*splicedFrame); ok {
+			f.done <- errFrameDropped
+		}
 	}
 }
 
@@ -490,13 +445,6 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 			q.mu.Unlock()
 			return nil, nil
 		}
-		if !q.holding && (q.ctrl.len() > 0 || q.ready.len() > 0) {
-			// Take the stream first: a connection may be splicing.
-			q.mu.Unlock()
-			q.streamMu.Lock()
-			q.holding = true
-			continue
-		}
 		if q.ctrl.len() > 0 {
 			env, ended := q.popControlLocked()
 			q.mu.Unlock()
@@ -531,7 +479,7 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 			}
 			q.mu.Unlock()
 			if env.IsData() {
-				c.queued.Add(-frameCharge(int64(env.Payload.Len())))
+				c.queued.Add(-frameCharge(int64(env.DataLen())))
 				notify(c.writeNotify)
 			}
 			if remove {
@@ -541,9 +489,8 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 		}
 		q.mu.Unlock()
 		if !wait {
-			return nil, nil // the loop keeps the stream to flush it
+			return nil, nil
 		}
-		q.release()
 		select {
 		case <-q.wake:
 		case <-q.s.done:
@@ -552,16 +499,7 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 	}
 }
 
-// release gives the stream up, if the loop has it.
-func (q *sender) release() {
-	if q.holding {
-		q.holding = false
-		q.streamMu.Unlock()
-	}
-}
-
 func (q *sender) loop() {
-	defer q.release()
 	wait, yielded := q.batch == nil, false
 	for {
 		env, _ := q.next(wait)
@@ -589,7 +527,7 @@ func (q *sender) loop() {
 		}
 		wait, yielded = q.batch == nil, false
 		q.sendingSince.Store(time.Now().UnixNano())
-		err := q.s.stream.Send(env)
+		err := q.send(env)
 		q.sendingSince.Store(0)
 		if err != nil {
 			env.Payload.Free()
@@ -597,6 +535,19 @@ func (q *sender) loop() {
 			return
 		}
 	}
+}
+
+// send writes one frame: a spliced payload after its header, anything
+// else through FrameStream.Send.
+func (q *sender) send(env *tunnelpb.Envelope) error {
+	f, ok := env.Deferred.(*splicedFrame)
+	if !ok {
+		return q.s.stream.Send(env)
+	}
+	var prefix [tunnelpb.MaxDataHeader]byte
+	err := q.splice.sendSpliced(tunnelpb.AppendDataHeader(prefix[:0], env.ConnID, f.n), f.pipe, f.n)
+	f.done <- err
+	return err
 }
 
 // ended reports whether the sender was shut down or the session ended.

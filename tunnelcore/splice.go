@@ -1,6 +1,7 @@
 package tunnelcore
 
 import (
+	"errors"
 	"net"
 	"sync"
 	"syscall"
@@ -9,8 +10,9 @@ import (
 // Splicing. A virtual connection relaying a TCP socket onto a plaintext
 // data lane (the agent's side of a download: upstream socket → lane
 // socket) moves each DATA payload inside the kernel: splice(2) from the
-// source socket into a pipe, then the frame's header written to the lane
-// and splice(2) from the pipe into the lane's socket. The bytes are never
+// source socket into a pipe, then, in the connection's turn at the
+// session's sender, the frame's header written to the lane and splice(2)
+// from the pipe into the lane's socket. The bytes are never
 // copied into the process and out again, which was the largest single cost
 // of an agent relaying a download (its copy into the lane's socket, from
 // buffers that had left the CPU cache, cost four times per byte what a
@@ -20,17 +22,41 @@ import (
 // spliceAbove is the read that moves a connection onto splicing: one that
 // filled this much is bulk, where the pipe pays for its two descriptors
 // and the extra system call per frame. Interactive connections never take
-// a pipe.
+// a pipe, and a connection holds one only while its socket has bytes: it
+// gives it back before waiting for more.
 const spliceAbove = 64 << 10
+
+// splicedFrame is the payload of a DATA frame waiting in a pipe
+// (tunnelpb.Envelope.Deferred): n bytes in pipe. The sender reports on
+// done (buffered, one report per frame) nil once it moved them into the
+// stream, else why not: the pipe may then still hold them.
+type splicedFrame struct {
+	pipe *kernelPipe
+	n    int
+	done chan error
+}
+
+// Len implements tunnelpb.Deferred.
+func (f *splicedFrame) Len() int { return f.n }
+
+var (
+	// errFrameDropped is a spliced frame's report when it was dropped
+	// unsent (its connection aborted, or the session ended).
+	errFrameDropped = errors.New("tunnel: spliced frame dropped")
+	// errSpliceOff ends splicing for a connection, which goes on copying:
+	// no pipe to be had, or urgent data in the socket (which splice(2)
+	// stops at and read(2) steps over).
+	errSpliceOff = errors.New("tunnel: splicing off")
+)
 
 // splicingStream is a stream that can write a DATA frame whose payload
 // waits in a kernel pipe (ConnStream over a bare TCP socket, on Linux).
 type splicingStream interface {
 	// canSplice reports whether sendSpliced works on this stream.
 	canSplice() bool
-	// sendSpliced writes prefix, the frame's header, then moves n bytes
-	// from p into the stream. It is called with the stream to itself
-	// (sender.streamMu), after everything held was flushed.
+	// sendSpliced writes prefix, the frame's header, after whatever
+	// Send holds, then moves n bytes from p into the stream. The sender
+	// calls it as it calls Send.
 	sendSpliced(prefix []byte, p *kernelPipe, n int) error
 }
 
@@ -42,9 +68,11 @@ type pipePool struct {
 	inUse int
 }
 
+// The bounds keep the pipes' memory, which Linux counts per user
+// (fs.pipe-user-pages-soft, 64 MiB by default), at 32 MiB.
 const (
-	maxPipes     = 256
-	maxIdlePipes = 16
+	maxPipes     = 128
+	maxIdlePipes = 8
 	// pipeSize is the capacity asked for each pipe: the default
 	// MaxFrameSize, so that a frame takes one splice each way.
 	pipeSize = DefaultMaxFrameSize

@@ -40,32 +40,64 @@ func (p *kernelPipe) close() {
 	unix.Close(p.w)
 }
 
-// fill moves up to max bytes from socket src into the empty pipe, waiting
-// (on Go's poller, with src's read deadline) until the socket has some. It
-// returns 0 and io.EOF at the socket's end.
-func (p *kernelPipe) fill(src syscall.RawConn, max int) (int, error) {
+// fillPipe waits until socket src has bytes (on Go's poller, with src's
+// read deadline) and moves up to max of them into a pipe from the pool,
+// which it returns: a connection holds no pipe while it waits. It returns
+// io.EOF at the socket's end, and errSpliceOff when there is no pipe to be
+// had or the socket is at urgent data.
+func fillPipe(src syscall.RawConn, max int) (*kernelPipe, int, error) {
+	var p *kernelPipe
 	var n int64
 	var serr error
 	err := src.Read(func(fd uintptr) bool {
+		if p == nil {
+			if p = pipes.get(); p == nil {
+				serr = errSpliceOff
+				return true
+			}
+		}
 		for {
 			n, serr = unix.Splice(int(fd), nil, p.w, nil, max, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
 			if serr != unix.EINTR {
 				break
 			}
 		}
-		// The pipe is empty, so EAGAIN can only mean the socket has
-		// nothing yet: wait for it to be readable.
-		return serr != unix.EAGAIN
+		if (serr == unix.EAGAIN || (serr == nil && n == 0)) && atUrgentMark(fd) {
+			// splice(2) stops at urgent data: EAGAIN with bytes behind
+			// it, or 0 once the FIN came. read(2) steps over it.
+			serr = errSpliceOff
+			return true
+		}
+		if serr == unix.EAGAIN {
+			// Nothing yet (the pipe is empty, so it is not full): wait
+			// for the socket without holding the pipe.
+			pipes.put(p, true)
+			p = nil
+			return false
+		}
+		return true
 	})
 	switch {
-	case err != nil:
-		return 0, err
-	case serr != nil:
-		return 0, fmt.Errorf("splice from socket: %w", serr)
-	case n == 0:
-		return 0, io.EOF
+	case err == nil && serr == nil && n > 0:
+		return p, int(n), nil
+	case p != nil:
+		pipes.put(p, true) // empty: nothing was moved
 	}
-	return int(n), nil
+	switch {
+	case err != nil:
+		return nil, 0, err
+	case serr == errSpliceOff:
+		return nil, 0, serr
+	case serr != nil:
+		return nil, 0, fmt.Errorf("splice from socket: %w", serr)
+	}
+	return nil, 0, io.EOF
+}
+
+// atUrgentMark reports whether socket fd's next byte is urgent data.
+func atUrgentMark(fd uintptr) bool {
+	at, err := unix.IoctlGetInt(int(fd), unix.SIOCATMARK)
+	return err == nil && at != 0
 }
 
 // drain moves exactly n bytes from the pipe into socket dst, waiting (on
@@ -96,24 +128,6 @@ func (p *kernelPipe) drain(dst syscall.RawConn, n int) error {
 	}
 	if serr != nil {
 		return fmt.Errorf("splice into socket: %w", serr)
-	}
-	return nil
-}
-
-// read copies the n bytes the pipe holds into b (len n): the way out for a
-// frame that cannot be spliced after all.
-func (p *kernelPipe) read(b []byte) error {
-	for len(b) > 0 {
-		k, err := unix.Read(p.r, b)
-		switch {
-		case err == unix.EINTR:
-			continue
-		case err != nil:
-			return fmt.Errorf("read pipe: %w", err)
-		case k == 0:
-			return io.ErrUnexpectedEOF
-		}
-		b = b[k:]
 	}
 	return nil
 }

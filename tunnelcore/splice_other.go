@@ -14,8 +14,7 @@ type kernelPipe struct{ size int }
 
 var errNoSplice = errors.New("splice is not supported on this system")
 
-func newKernelPipe(int) (*kernelPipe, error)               { return nil, errNoSplice }
-func (*kernelPipe) close()                                 {}
-func (*kernelPipe) fill(syscall.RawConn, int) (int, error) { return 0, errNoSplice }
-func (*kernelPipe) drain(syscall.RawConn, int) error       { return errNoSplice }
-func (*kernelPipe) read([]byte) error                      { return errNoSplice }
+func newKernelPipe(int) (*kernelPipe, error)                  { return nil, errNoSplice }
+func (*kernelPipe) close()                                    {}
+func fillPipe(syscall.RawConn, int) (*kernelPipe, int, error) { return nil, 0, errSpliceOff }
+func (*kernelPipe) drain(syscall.RawConn, int) error          { return errNoSplice }

@@ -8,9 +8,12 @@ import (
 	"errors"
 	"io"
 	"math/rand/v2"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // TestRelayFromASocketKeepsEveryByte: an agent relaying a TCP upstream
@@ -117,95 +120,214 @@ func TestRelayCopiesWhenNoPipeIsLeft(t *testing.T) {
 	}
 }
 
-// filledPipe returns a pipe holding payload, moved in from a socket, with
-// its bytes reserved on c as ReadFrom would have.
-func filledPipe(t *testing.T, c *Conn, payload []byte) (*kernelPipe, int) {
-	t.Helper()
-	p, err := newKernelPipe(pipeSize)
+// TestSplicedPayloadAfterCloseWriteIsRefused: a payload moved into a pipe
+// before a concurrent CloseWrite is refused, as a Write's would be, and
+// gives its queue charge back.
+func TestSplicedPayloadAfterCloseWriteIsRefused(t *testing.T) {
+	node, _ := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
+	c, err := node.Open(ConnectInfo{})
 	if err != nil {
-		t.Skipf("no pipe: %v", err)
+		t.Fatal(err)
 	}
-	t.Cleanup(p.close)
 	w, r := tcpPair(t)
-	if _, err := w.Write(payload); err != nil {
+	if _, err := w.Write([]byte("late")); err != nil {
 		t.Fatal(err)
 	}
 	raw, err := r.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, err := c.reserve(len(payload))
-	if err != nil || n != len(payload) {
-		t.Fatalf("reserve: %d, %v", n, err)
-	}
-	held := 0
-	for held < n { // one splice may take part of what the socket has
-		m, err := p.fill(raw, n-held)
-		if err != nil {
-			t.Fatal(err)
-		}
-		held += m
-	}
-	return p, n
-}
-
-// TestSpliceBehindQueuedFramesWaitsItsTurn: a payload to splice for a
-// connection whose earlier frames (its Connect, a Write) are still queued
-// is queued behind them instead, so the peer reads the bytes in order.
-func TestSpliceBehindQueuedFramesWaitsItsTurn(t *testing.T) {
-	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
-	if node.sender.splice == nil {
-		t.Skip("the lane cannot splice here")
-	}
-	// Hold the stream as a splice in progress would: what follows queues.
-	node.sender.streamMu.Lock()
-	c, err := node.Open(ConnectInfo{})
+	n, err := c.reserve(4)
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := []byte("first, written before the splice")
-	if _, err := c.Write(first); err != nil {
-		t.Fatal(err)
-	}
-	second := bytes.Repeat([]byte("second "), 8000) // within one queue allowance
-	p, n := filledPipe(t, c, second)
-	emptied, err := node.spliceHeld(c, p, n)
-	if err != nil || !emptied {
-		t.Fatalf("spliceHeld: emptied %v, %v", emptied, err)
-	}
-	c.CloseWrite()
-	got, err := io.ReadAll(accept(t, agent))
+	p, m, err := fillPipe(raw, n)
 	if err != nil {
-		t.Fatal(err)
+		t.Skipf("no splicing here: %v", err)
 	}
-	if want := append(append([]byte{}, first...), second...); !bytes.Equal(got, want) {
-		t.Fatalf("received %d bytes, not the %d written in order", len(got), len(want))
-	}
-	if s := node.Stats().Spliced; s != 0 {
-		t.Fatalf("spliced %d bytes that had to wait", s)
-	}
-}
-
-// TestSpliceAfterCloseWriteIsRefused: a payload a writer moved into its
-// pipe before a concurrent CloseWrite is refused, as a Write's would be,
-// and the pipe, still full, is not to be reused.
-func TestSpliceAfterCloseWriteIsRefused(t *testing.T) {
-	node, _ := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
-	c, err := node.Open(ConnectInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, n := filledPipe(t, c, []byte("late"))
+	defer pipes.put(p, false)
+	c.unreserve(int64(n), int64(m))
 	if err := c.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
-	emptied, err := node.sendSpliced(c, p, n)
-	if !errors.Is(err, ErrWriteClosed) || emptied {
-		t.Fatalf("sendSpliced after CloseWrite: emptied %v, %v; want ErrWriteClosed", emptied, err)
+	if node.sendSpliced(c, &splicedFrame{pipe: p, n: m, done: make(chan error, 1)}) {
+		t.Fatal("a spliced payload was queued after CloseWrite")
 	}
 	if q := c.queued.Load(); q != 0 {
 		t.Fatalf("the refused payload still charges %d bytes", q)
 	}
+}
+
+// gatedLane is a lane whose Send of one connection's DATA waits for the
+// test, holding the session's sender.
+type gatedLane struct {
+	LaneStream
+	conn    atomic.Uint64
+	entered chan struct{}
+	gate    chan struct{}
+}
+
+func (g *gatedLane) Send(e *tunnelpb.Envelope) error {
+	if e.IsData() && e.ConnID == g.conn.Load() {
+		g.entered <- struct{}{}
+		<-g.gate
+	}
+	return g.LaneStream.Send(e)
+}
+
+// TestSplicedFramesTakeTheirTurn: a spliced payload is written by the
+// session's sender in its connection's turn, not by the relaying
+// goroutine: while the sender is stuck on another connection's frame,
+// nothing is spliced, and everything arrives once it moves on.
+func TestSplicedFramesTakeTheirTurn(t *testing.T) {
+	client, server := tcpPair(t)
+	lane := &gatedLane{LaneStream: ConnStream(server), entered: make(chan struct{}, 1), gate: make(chan struct{})}
+	peerLane := ConnStream(client)
+	t.Cleanup(func() { lane.Close(nil); peerLane.Close(nil) })
+	// Room for several frames in front of the stuck sender.
+	node, err := NewSession(lane, Config{Role: RoleNode, SendQueue: 4 << 20, StallTimeout: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, err := NewSession(peerLane, Config{Role: RoleAgent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { node.Close(); agent.Close() })
+	if node.sender.splice == nil {
+		t.Skip("the lane cannot splice here")
+	}
+
+	a, _ := node.Open(ConnectInfo{})
+	lane.conn.Store(a.ID())
+	if _, err := a.Write([]byte("stuck")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-lane.entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the sender never reached a's frame")
+	}
+
+	const size = InitialWindow // b's credit: all of it fits one frame
+	upstream, nodeSide := tcpPair(t)
+	if _, err := upstream.Write(bytes.Repeat([]byte{9}, size)); err != nil {
+		t.Fatal(err)
+	}
+	upstream.CloseWrite()
+	raw, err := nodeSide.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := node.Open(ConnectInfo{})
+	inUse := func() int {
+		pipes.mu.Lock()
+		defer pipes.mu.Unlock()
+		return pipes.inUse
+	}
+	before := inUse()
+	spliced := make(chan error, 1)
+	go func() {
+		_, err := b.spliceFrom(raw)
+		spliced <- err
+	}()
+	eventually(t, 5*time.Second, "b's payload waiting in a pipe", func() bool { return inUse() > before })
+	if s := node.Stats().Spliced; s != 0 {
+		t.Fatalf("%d bytes spliced while the sender was stuck", s)
+	}
+
+	close(lane.gate)
+	ac := accept(t, agent)
+	bc := accept(t, agent)
+	if bc.ID() != b.ID() {
+		ac, bc = bc, ac
+	}
+	bc.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got := make([]byte, size)
+	if _, err := io.ReadFull(bc, got); err != nil || !bytes.Equal(got, bytes.Repeat([]byte{9}, size)) {
+		t.Fatalf("b's bytes did not arrive whole: %v", err)
+	}
+	select {
+	case err := <-spliced:
+		if err != io.EOF {
+			t.Fatalf("spliceFrom ended with %v, want io.EOF", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("spliceFrom did not end at the socket's end")
+	}
+	if s := node.Stats().Spliced; s != size {
+		t.Fatalf("spliced %d bytes, want %d", s, size)
+	}
+	if got := make([]byte, 5); func() error { _, err := io.ReadFull(ac, got); return err }() != nil || string(got) != "stuck" {
+		t.Fatalf("a's bytes: %q", got)
+	}
+}
+
+// TestUrgentDataDoesNotStopASplicedRelay: splice(2) stops at TCP urgent
+// data where read(2) steps over it; a spliced relay from a socket that
+// sends some delivers everything else, as the copying path does, instead
+// of stalling and then ending early.
+func TestUrgentDataDoesNotStopASplicedRelay(t *testing.T) {
+	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
+	const half = 1 << 20
+	upstream, agentSide := tcpPair(t)
+	go func() {
+		upstream.Write(bytes.Repeat([]byte{1}, half))
+		if raw, err := upstream.SyscallConn(); err == nil {
+			raw.Write(func(fd uintptr) bool {
+				syscall.Sendto(int(fd), []byte{'!'}, syscall.MSG_OOB, nil)
+				return true
+			})
+		}
+		upstream.Write(bytes.Repeat([]byte{2}, half))
+		upstream.CloseWrite()
+	}()
+	c, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	go Relay(agentSide, ac)
+	c.CloseWrite()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(c)
+	want := append(bytes.Repeat([]byte{1}, half), bytes.Repeat([]byte{2}, half)...)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("received %d of %d bytes (%v)", len(got), len(want), err)
+	}
+}
+
+// TestIdleSplicingConnectionHoldsNoPipe: a connection that moved bulk
+// through a pipe gives it back while its socket is idle, so idle
+// keep-alive upstream connections do not use up the pool.
+func TestIdleSplicingConnectionHoldsNoPipe(t *testing.T) {
+	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
+	if agent.sender.splice == nil {
+		t.Skip("the lane cannot splice here")
+	}
+	inUse := func() int {
+		pipes.mu.Lock()
+		defer pipes.mu.Unlock()
+		return pipes.inUse
+	}
+	before := inUse()
+	const size = 4 << 20
+	upstream, agentSide := tcpPair(t)
+	go upstream.Write(bytes.Repeat([]byte{3}, size)) // and then stays open, idle
+	c, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	go Relay(agentSide, ac)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, make([]byte, size)); err != nil {
+		t.Fatal(err)
+	}
+	if agent.Stats().Spliced == 0 {
+		t.Fatal("nothing was spliced")
+	}
+	eventually(t, 5*time.Second, "the pipe given back", func() bool { return inUse() == before })
 }
 
 // TestPipePoolIsBounded: past maxPipes there is no pipe (the connection
