@@ -53,7 +53,9 @@ func ConnStream(conn net.Conn) LaneStream {
 const laneWriteBuffer = 32 << 10
 
 // LaneStream is the FrameStream ConnStream returns. A wrapper must keep
-// Flush: the session's sender flushes a stream that has it.
+// Flush: the session's sender flushes a stream that has it. Its unexported
+// methods (splicing) mean only ConnStream implements it: a wrapper embeds
+// it, and whatever it overrides of Send does not see spliced frames.
 type LaneStream interface {
 	FrameStream
 	Flush() error

@@ -12,12 +12,18 @@ import (
 // socket) moves each DATA payload inside the kernel: splice(2) from the
 // source socket into a pipe, then, in the connection's turn at the
 // session's sender, the frame's header written to the lane and splice(2)
-// from the pipe into the lane's socket. The bytes are never
-// copied into the process and out again, which was the largest single cost
-// of an agent relaying a download (its copy into the lane's socket, from
-// buffers that had left the CPU cache, cost four times per byte what a
-// bare relay's does). The wire is unchanged: the peer reads the same
-// frames. TLS lanes and other sources keep the copying path.
+// from the pipe into the lane's socket. The bytes are never copied into
+// the process and out again, which was the largest single cost of an agent
+// relaying a download (its copy into the lane's socket, from buffers that
+// had left the CPU cache, cost four times per byte what a bare relay's
+// does). The wire is unchanged: the peer reads the same frames. TLS lanes
+// and other sources keep the copying path.
+//
+// A pipe frame is queued, charged and dropped as a buffer frame is (its
+// queue charge, the connection's round-robin turn, its place before the
+// FIN); only the sender writes it. The relaying goroutine waits for that
+// before it fills the pipe again, so each connection has one frame in its
+// pipe at a time.
 
 // spliceAbove is the read that moves a connection onto splicing: one that
 // filled this much is bulk, where the pipe pays for its two descriptors

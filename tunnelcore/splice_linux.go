@@ -35,9 +35,14 @@ func newKernelPipe(size int) (*kernelPipe, error) {
 	return p, nil
 }
 
+// close closes both ends, once.
 func (p *kernelPipe) close() {
+	if p.r < 0 {
+		return
+	}
 	unix.Close(p.r)
 	unix.Close(p.w)
+	p.r, p.w = -1, -1
 }
 
 // fillPipe waits until socket src has bytes (on Go's poller, with src's
