@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"math/rand/v2"
+	"net"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -98,23 +99,9 @@ func TestRelayCopiesWhenNoPipeIsLeft(t *testing.T) {
 	for p := pipes.get(); p != nil; p = pipes.get() {
 		taken = append(taken, p)
 	}
-	const size = 4 << 20
-	upstream, agentSide := tcpPair(t)
-	go func() {
-		upstream.Write(bytes.Repeat([]byte{7}, size))
-		upstream.CloseWrite()
-	}()
-	c, err := node.Open(ConnectInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ac := accept(t, agent)
-	go Relay(agentSide, ac)
-	c.CloseWrite()
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	got, err := io.ReadAll(c)
-	if err != nil || len(got) != size || !bytes.Equal(got, bytes.Repeat([]byte{7}, size)) {
-		t.Fatalf("received %d of %d bytes: %v", len(got), size, err)
+	want := bytes.Repeat([]byte{7}, 4<<20)
+	if got := download(t, node, agent, func(up *net.TCPConn) { up.Write(want) }); !bytes.Equal(got, want) {
+		t.Fatalf("received %d of %d bytes", len(got), len(want))
 	}
 	if s := agent.Stats().Spliced; s != 0 {
 		t.Fatalf("spliced %d bytes with no pipe to be had", s)
@@ -221,18 +208,13 @@ func TestSplicedFramesTakeTheirTurn(t *testing.T) {
 		t.Fatal(err)
 	}
 	b, _ := node.Open(ConnectInfo{})
-	inUse := func() int {
-		pipes.mu.Lock()
-		defer pipes.mu.Unlock()
-		return pipes.inUse
-	}
-	before := inUse()
+	before := pipesInUse()
 	spliced := make(chan error, 1)
 	go func() {
 		_, err := b.spliceFrom(raw)
 		spliced <- err
 	}()
-	eventually(t, 5*time.Second, "b's payload waiting in a pipe", func() bool { return inUse() > before })
+	eventually(t, 5*time.Second, "b's payload waiting in a pipe", func() bool { return pipesInUse() > before })
 	if s := node.Stats().Spliced; s != 0 {
 		t.Fatalf("%d bytes spliced while the sender was stuck", s)
 	}
@@ -271,31 +253,59 @@ func TestSplicedFramesTakeTheirTurn(t *testing.T) {
 func TestUrgentDataDoesNotStopASplicedRelay(t *testing.T) {
 	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
 	const half = 1 << 20
-	upstream, agentSide := tcpPair(t)
-	go func() {
-		upstream.Write(bytes.Repeat([]byte{1}, half))
-		if raw, err := upstream.SyscallConn(); err == nil {
+	got := download(t, node, agent, func(up *net.TCPConn) {
+		up.Write(bytes.Repeat([]byte{1}, half))
+		if raw, err := up.SyscallConn(); err == nil {
 			raw.Write(func(fd uintptr) bool {
 				syscall.Sendto(int(fd), []byte{'!'}, syscall.MSG_OOB, nil)
 				return true
 			})
 		}
-		upstream.Write(bytes.Repeat([]byte{2}, half))
-		upstream.CloseWrite()
-	}()
+		up.Write(bytes.Repeat([]byte{2}, half))
+	})
+	want := append(bytes.Repeat([]byte{1}, half), bytes.Repeat([]byte{2}, half)...)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("received %d of %d bytes", len(got), len(want))
+	}
+}
+
+// relayedConn opens a connection from the node whose agent end is relayed to
+// socket agentSide, and gives its reads a deadline.
+func relayedConn(t *testing.T, node, agent *Session, agentSide *net.TCPConn) *Conn {
+	t.Helper()
 	c, err := node.Open(ConnectInfo{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ac := accept(t, agent)
-	go Relay(agentSide, ac)
-	c.CloseWrite()
+	go Relay(agentSide, accept(t, agent))
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	return c
+}
+
+// pipesInUse is how many pipes the process's pool has handed out.
+func pipesInUse() int {
+	pipes.mu.Lock()
+	defer pipes.mu.Unlock()
+	return pipes.inUse
+}
+
+// download relays a TCP upstream, which write drives before it
+// half-closes, from the agent to a connection the node opened, and returns
+// what the node read to the end.
+func download(t *testing.T, node, agent *Session, write func(up *net.TCPConn)) []byte {
+	t.Helper()
+	upstream, agentSide := tcpPair(t)
+	go func() {
+		write(upstream)
+		upstream.CloseWrite()
+	}()
+	c := relayedConn(t, node, agent, agentSide)
+	c.CloseWrite()
 	got, err := io.ReadAll(c)
-	want := append(bytes.Repeat([]byte{1}, half), bytes.Repeat([]byte{2}, half)...)
-	if err != nil || !bytes.Equal(got, want) {
-		t.Fatalf("received %d of %d bytes (%v)", len(got), len(want), err)
+	if err != nil {
+		t.Fatalf("after %d bytes: %v", len(got), err)
 	}
+	return got
 }
 
 // TestIdleSplicingConnectionHoldsNoPipe: a connection that moved bulk
@@ -306,29 +316,18 @@ func TestIdleSplicingConnectionHoldsNoPipe(t *testing.T) {
 	if agent.sender.splice == nil {
 		t.Skip("the lane cannot splice here")
 	}
-	inUse := func() int {
-		pipes.mu.Lock()
-		defer pipes.mu.Unlock()
-		return pipes.inUse
-	}
-	before := inUse()
+	before := pipesInUse()
 	const size = 4 << 20
 	upstream, agentSide := tcpPair(t)
 	go upstream.Write(bytes.Repeat([]byte{3}, size)) // and then stays open, idle
-	c, err := node.Open(ConnectInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ac := accept(t, agent)
-	go Relay(agentSide, ac)
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	c := relayedConn(t, node, agent, agentSide)
 	if _, err := io.ReadFull(c, make([]byte, size)); err != nil {
 		t.Fatal(err)
 	}
 	if agent.Stats().Spliced == 0 {
 		t.Fatal("nothing was spliced")
 	}
-	eventually(t, 5*time.Second, "the pipe given back", func() bool { return inUse() == before })
+	eventually(t, 5*time.Second, "the pipe given back", func() bool { return pipesInUse() == before })
 }
 
 // TestPipePoolIsBounded: past maxPipes there is no pipe (the connection
@@ -390,13 +389,7 @@ func TestSplicedRelayPassesAResetOn(t *testing.T) {
 		upstream.SetLinger(0)
 		upstream.Close() // RST
 	}()
-	c, err := node.Open(ConnectInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ac := accept(t, agent)
-	go Relay(agentSide, ac)
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	c := relayedConn(t, node, agent, agentSide)
 	if _, err := io.ReadFull(c, make([]byte, half)); err != nil {
 		t.Fatal(err)
 	}
