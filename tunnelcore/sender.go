@@ -546,6 +546,11 @@ func (q *sender) send(env *tunnelpb.Envelope) error {
 	}
 	var prefix [tunnelpb.MaxDataHeader]byte
 	err := q.splice.sendSpliced(tunnelpb.AppendDataHeader(prefix[:0], env.ConnID, f.n), f.pipe, f.n)
+	if err != nil {
+		// End the session before the relay hears: it must report the
+		// session's end (a cut), not a connection closed (a clean end).
+		q.s.CloseWithError(err)
+	}
 	f.done <- err
 	return err
 }

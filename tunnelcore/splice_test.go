@@ -403,3 +403,43 @@ func TestSplicedRelayPassesAResetOn(t *testing.T) {
 		t.Fatalf("after %d more bytes the read ended with %v, want the peer's abort", n, err)
 	}
 }
+
+// failingLane is a lane whose spliced writes fail, as a lane reset in the
+// middle of one would.
+type failingLane struct{ LaneStream }
+
+func (failingLane) sendSpliced([]byte, *kernelPipe, int) error {
+	return errors.New("lane reset mid-splice")
+}
+
+// TestFailedSpliceIsTheSessionsEnd: a spliced write that fails ends the
+// session, and the relay reading the upstream reports that end (so both
+// sides are cut), not a connection closed as if the stream were whole.
+func TestFailedSpliceIsTheSessionsEnd(t *testing.T) {
+	client, server := tcpPair(t)
+	node, err := NewSession(ConnStream(server), Config{Role: RoleNode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, err := NewSession(failingLane{ConnStream(client)}, Config{Role: RoleAgent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { node.Close(); agent.Close() })
+	if agent.sender.splice == nil {
+		t.Skip("the lane cannot splice here")
+	}
+	c, err := node.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go io.Copy(io.Discard, c) // grant credit
+	ac := accept(t, agent)
+	upstream, agentSide := tcpPair(t)
+	go upstream.Write(make([]byte, 4<<20))
+	n, err := ac.ReadFrom(agentSide)
+	if !errors.Is(err, ErrSessionClosed) {
+		t.Fatalf("ReadFrom after %d bytes: %v; want the session's end", n, err)
+	}
+	c.Close()
+}
