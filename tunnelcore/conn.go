@@ -552,7 +552,9 @@ func (c *Conn) spliceFrom(src syscall.RawConn) (total int64, err error) {
 			return total, err
 		}
 		p, m, err := fillPipe(src, n)
-		c.unreserve(int64(n), int64(m))
+		if m < n {
+			c.unreserve(int64(n), int64(m))
+		}
 		if err != nil {
 			return total, err
 		}

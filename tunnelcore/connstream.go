@@ -149,15 +149,9 @@ func (s *connStream) Send(e *tunnelpb.Envelope) error {
 		data.Free()
 		return fmt.Errorf("%w: %d bytes", ErrLaneMessageTooLarge, n)
 	}
-	if cap(s.hdrs)-len(s.hdrs) < 5 {
-		// The pending buffers point into the old array, which stays.
-		s.hdrs = make([]byte, 0, 5*64)
-	}
-	start := len(s.hdrs)
-	s.hdrs = append(s.hdrs, 0)
-	s.hdrs = binary.BigEndian.AppendUint32(s.hdrs, uint32(n))
+	hdr := s.header(n, 0, 0)
 	if s.bw != nil {
-		s.bw.Write(s.hdrs[start:])
+		s.bw.Write(hdr)
 		for _, b := range data {
 			s.bw.Write(b.ReadOnlyData())
 		}
@@ -165,7 +159,7 @@ func (s *connStream) Send(e *tunnelpb.Envelope) error {
 		s.hdrs = s.hdrs[:0]
 		return nil // bufio writes what fills it; Flush the rest
 	}
-	s.pending = append(s.pending, s.hdrs[start:])
+	s.pending = append(s.pending, hdr)
 	for _, b := range data {
 		s.pending = append(s.pending, b.ReadOnlyData())
 	}
@@ -177,25 +171,39 @@ func (s *connStream) Send(e *tunnelpb.Envelope) error {
 	return nil
 }
 
+// header appends to hdrs the 5-byte lane header of a message of n bytes
+// and returns it; with connID set (n then the payload's length), followed
+// by the DATA frame's bytes that come before the payload, and the length
+// counts them too.
+func (s *connStream) header(n int, connID uint64, payload int) []byte {
+	if cap(s.hdrs)-len(s.hdrs) < 5+tunnelpb.MaxDataHeader {
+		// The pending buffers point into the old array, which stays.
+		s.hdrs = make([]byte, 0, 64*(5+tunnelpb.MaxDataHeader))
+	}
+	start := len(s.hdrs)
+	s.hdrs = append(s.hdrs, 0, 0, 0, 0, 0)
+	if connID != 0 || payload != 0 {
+		s.hdrs = tunnelpb.AppendDataHeader(s.hdrs, connID, payload)
+		n = len(s.hdrs) - start - 5 + payload
+	}
+	binary.BigEndian.PutUint32(s.hdrs[start+1:], uint32(n))
+	return s.hdrs[start:]
+}
+
 // maxLaneIovecs keeps a writev within Linux's 1024 buffers.
 const maxLaneIovecs = 512
 
 // canSplice implements splicingStream: a plaintext lane on Linux.
 func (s *connStream) canSplice() bool { return s.raw != nil }
 
-// sendSpliced implements splicingStream: the frame's lane header and
-// prefix go out with whatever Send still holds, in one writev, then the
+// sendSpliced implements splicingStream: the frame's lane header and DATA
+// header go out with whatever Send still holds, in one writev, then the
 // payload moves from the pipe into the socket.
-func (s *connStream) sendSpliced(prefix []byte, p *kernelPipe, n int) error {
-	size := len(prefix) + n
-	if size > maxLaneMessage {
-		return fmt.Errorf("%w: %d bytes", ErrLaneMessageTooLarge, size)
+func (s *connStream) sendSpliced(connID uint64, p *kernelPipe, n int) error {
+	if n > maxLaneMessage-tunnelpb.MaxDataHeader {
+		return fmt.Errorf("%w: %d bytes", ErrLaneMessageTooLarge, n)
 	}
-	hdr := make([]byte, 0, 5+len(prefix))
-	hdr = append(hdr, 0)
-	hdr = binary.BigEndian.AppendUint32(hdr, uint32(size))
-	hdr = append(hdr, prefix...)
-	s.pending = append(s.pending, hdr)
+	s.pending = append(s.pending, s.header(0, connID, n))
 	if err := s.Flush(); err != nil {
 		return err
 	}

@@ -544,8 +544,7 @@ func (q *sender) send(env *tunnelpb.Envelope) error {
 	if !ok {
 		return q.s.stream.Send(env)
 	}
-	var prefix [tunnelpb.MaxDataHeader]byte
-	err := q.splice.sendSpliced(tunnelpb.AppendDataHeader(prefix[:0], env.ConnID, f.n), f.pipe, f.n)
+	err := q.splice.sendSpliced(env.ConnID, f.pipe, f.n)
 	if err != nil {
 		// End the session before the relay hears: it must report the
 		// session's end (a cut), not a connection closed (a clean end).

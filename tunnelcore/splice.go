@@ -60,10 +60,10 @@ var (
 type splicingStream interface {
 	// canSplice reports whether sendSpliced works on this stream.
 	canSplice() bool
-	// sendSpliced writes prefix, the frame's header, after whatever
-	// Send holds, then moves n bytes from p into the stream. The sender
-	// calls it as it calls Send.
-	sendSpliced(prefix []byte, p *kernelPipe, n int) error
+	// sendSpliced writes the header of connID's DATA frame of n bytes
+	// after whatever Send holds, then moves the n bytes from p into the
+	// stream. The sender calls it as it calls Send.
+	sendSpliced(connID uint64, p *kernelPipe, n int) error
 }
 
 // pipePool keeps a few idle pipes and bounds how many exist: each is two

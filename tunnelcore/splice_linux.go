@@ -14,7 +14,6 @@ const spliceSupported = true
 // is empty between frames.
 type kernelPipe struct {
 	r, w int
-	size int // its capacity: no frame moved through it is larger
 }
 
 // newKernelPipe makes a non-blocking pipe of size bytes (the kernel may
@@ -31,7 +30,6 @@ func newKernelPipe(size int) (*kernelPipe, error) {
 		p.close()
 		return nil, fmt.Errorf("pipe of %d bytes: got %d: %v", size, got, err)
 	}
-	p.size = got
 	return p, nil
 }
 

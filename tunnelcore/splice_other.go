@@ -10,7 +10,7 @@ import (
 // Splicing is Linux's (splice(2)); elsewhere every payload is copied.
 const spliceSupported = false
 
-type kernelPipe struct{ size int }
+type kernelPipe struct{}
 
 var errNoSplice = errors.New("splice is not supported on this system")
 

@@ -170,18 +170,8 @@ func (g *gatedLane) Send(e *tunnelpb.Envelope) error {
 func TestSplicedFramesTakeTheirTurn(t *testing.T) {
 	client, server := tcpPair(t)
 	lane := &gatedLane{LaneStream: ConnStream(server), entered: make(chan struct{}, 1), gate: make(chan struct{})}
-	peerLane := ConnStream(client)
-	t.Cleanup(func() { lane.Close(nil); peerLane.Close(nil) })
 	// Room for several frames in front of the stuck sender.
-	node, err := NewSession(lane, Config{Role: RoleNode, SendQueue: 4 << 20, StallTimeout: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	agent, err := NewSession(peerLane, Config{Role: RoleAgent})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { node.Close(); agent.Close() })
+	node, agent := sessionPair(t, streams(lane, ConnStream(client)), Config{SendQueue: 4 << 20, StallTimeout: -1}, Config{})
 	if node.sender.splice == nil {
 		t.Skip("the lane cannot splice here")
 	}
@@ -267,6 +257,14 @@ func TestUrgentDataDoesNotStopASplicedRelay(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatalf("received %d of %d bytes", len(got), len(want))
 	}
+}
+
+// streams is a transport of two given streams, the node's and the agent's.
+func streams(node, agent FrameStream) transport {
+	return transport{"given", func(t testing.TB) (FrameStream, FrameStream) {
+		t.Cleanup(func() { node.Close(nil); agent.Close(nil) })
+		return node, agent
+	}}
 }
 
 // relayedConn opens a connection from the node whose agent end is relayed to
@@ -408,7 +406,7 @@ func TestSplicedRelayPassesAResetOn(t *testing.T) {
 // middle of one would.
 type failingLane struct{ LaneStream }
 
-func (failingLane) sendSpliced([]byte, *kernelPipe, int) error {
+func (failingLane) sendSpliced(uint64, *kernelPipe, int) error {
 	return errors.New("lane reset mid-splice")
 }
 
@@ -417,15 +415,7 @@ func (failingLane) sendSpliced([]byte, *kernelPipe, int) error {
 // sides are cut), not a connection closed as if the stream were whole.
 func TestFailedSpliceIsTheSessionsEnd(t *testing.T) {
 	client, server := tcpPair(t)
-	node, err := NewSession(ConnStream(server), Config{Role: RoleNode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	agent, err := NewSession(failingLane{ConnStream(client)}, Config{Role: RoleAgent})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { node.Close(); agent.Close() })
+	node, agent := sessionPair(t, streams(ConnStream(server), failingLane{ConnStream(client)}), Config{}, Config{})
 	if agent.sender.splice == nil {
 		t.Skip("the lane cannot splice here")
 	}
