@@ -427,6 +427,7 @@ func TestFailedSpliceIsTheSessionsEnd(t *testing.T) {
 	ac := accept(t, agent)
 	upstream, agentSide := tcpPair(t)
 	go upstream.Write(make([]byte, 4<<20))
+	agentSide.SetReadDeadline(time.Now().Add(10 * time.Second)) // a hang fails, not stalls, the test
 	n, err := ac.ReadFrom(agentSide)
 	if !errors.Is(err, ErrSessionClosed) {
 		t.Fatalf("ReadFrom after %d bytes: %v; want the session's end", n, err)
