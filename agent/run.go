@@ -636,17 +636,13 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	rs := &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
 	frames, progress, onLane := a.sessionFrames(sctx, rs, cancel, hostport)
 
-	acks := make(chan *tunnelpb.AdvertiseAck, 8)
+	acks := newLatestAck()
 	var drained atomic.Bool
 	drainCh := make(chan time.Duration, 1)
 	onControl := func(f *tunnelpb.Frame) {
 		switch k := f.Kind.(type) {
 		case *tunnelpb.Frame_AdvertiseAck:
-			select {
-			case acks <- k.AdvertiseAck:
-			default:
-				a.log.Warn("AdvertiseAck dropped: too many unprocessed acks")
-			}
+			acks.put(k.AdvertiseAck)
 		case *tunnelpb.Frame_Drain:
 			if drained.CompareAndSwap(false, true) {
 				grace := time.Duration(k.Drain.GetGraceMs()) * time.Millisecond
@@ -713,7 +709,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 	ackTimer := time.NewTimer(a.ackTimeout)
 	var ack *tunnelpb.AdvertiseAck
 	select {
-	case ack = <-acks:
+	case <-acks.ready:
+		ack = acks.take()
 		ackTimer.Stop()
 		if !stopLeaveWatch() { // Leave came first: the stream is cancelled
 			return sessionResult{err: errLeft}
@@ -799,13 +796,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 				// The node answers the Drain and may end the session at
 				// once: the answer was queued before the end, so take it
 				// before telling how the leave went.
-				for pending := true; pending; {
-					select {
-					case ack := <-acks:
-						lv.answered(ack)
-					default:
-						pending = false
-					}
+				if ack := acks.take(); ack != nil {
+					lv.answered(ack)
 				}
 				lv.ended(err, drained.Load())
 			}
@@ -814,7 +806,11 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 			leaveC = nil
 			scheduleReadvertise(false)
 			lv = a.startLeaving(sess)
-		case ack := <-acks:
+		case <-acks.ready:
+			ack := acks.take()
+			if ack == nil {
+				continue
+			}
 			if lv != nil {
 				lv.answered(ack)
 				continue
@@ -905,6 +901,42 @@ func (l *leaving) cut(sess *tunnelcore.Session) {
 	}
 	l.a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", l.a.conn.Active()))
 	sess.CloseWithError(errLeft)
+}
+
+// latestAck holds the newest AdvertiseAck the session loop has not taken
+// yet. Every ack states the session's whole route set (its accepted and
+// rejected routes), so a newer one supersedes an older one: the session's
+// receive loop, which must never block, replaces instead of queueing, and
+// a burst of acks (a node re-admitting routes on each of many reloads)
+// cannot make the agent lose the last one and act on a stale state.
+type latestAck struct {
+	mu  sync.Mutex
+	ack *tunnelpb.AdvertiseAck
+	// ready has a value while an ack waits to be taken.
+	ready chan struct{}
+}
+
+func newLatestAck() *latestAck { return &latestAck{ready: make(chan struct{}, 1)} }
+
+// put replaces the waiting ack, if any, with ack.
+func (l *latestAck) put(ack *tunnelpb.AdvertiseAck) {
+	l.mu.Lock()
+	l.ack = ack
+	l.mu.Unlock()
+	select {
+	case l.ready <- struct{}{}:
+	default: // already signalled; the taker reads the newest
+	}
+}
+
+// take returns the waiting ack, or nil when there is none (its signal was
+// for an ack taken already).
+func (l *latestAck) take() *tunnelpb.AdvertiseAck {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ack := l.ack
+	l.ack = nil
+	return ack
 }
 
 // routeState tracks which routes the node rejected, to log changes once.

@@ -619,3 +619,48 @@ func TestConnectHintFitsTheError(t *testing.T) {
 		}
 	}
 }
+
+// TestBurstOfAcksEndsInTheLastState: acks the agent has not handled yet
+// are superseded by newer ones, never dropped for newer ones. A node
+// re-admitting routes on every reload can send many in a row; the agent
+// must end up acting on the last (here a rejection, which it retries),
+// whatever came before it.
+func TestBurstOfAcksEndsInTheLastState(t *testing.T) {
+	const burst = 400
+	node := newFakeNode(t, "secret", nodeOptions{})
+	ag := startAgent(t, testConfig(node.addr, "secret",
+		Upstream{Name: "web", Target: "http://127.0.0.1:1"},
+		Upstream{ListenPort: 16379, Target: "tcp://127.0.0.1:1"}),
+		// Retries wait long enough for the whole burst to arrive first.
+		func(a *Agent) { a.backoffInitial, a.backoffMax = 2*time.Second, 2*time.Second })
+	ns := node.next(t)
+	waitFor(t, 10*time.Second, "connected", func() bool { return ag.State() == StateConnected })
+
+	accepted := acceptAll(ns.adv)
+	rejected := acceptAll(ns.adv)
+	rejected.Accepted = rejected.Accepted[:1]
+	rejected.Rejected = []*tunnelpb.RejectedRoute{{Name: ":16379", ListenPort: 16379, Reason: "port in use"}}
+	for i := range burst {
+		ack := accepted
+		if i%2 == 0 {
+			ack = rejected
+		}
+		if err := ns.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: ack}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ns.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: rejected}}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case adv := <-ns.advs:
+		if len(adv.GetRoutes()) != 2 {
+			t.Fatalf("re-advertise %v", adv)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the last ack rejected a route, and the agent never advertised it again")
+	}
+	if n := ag.logs.FilterMessage("route rejected by node").Len(); n > burst/2+1 {
+		t.Fatalf("%d rejection lines for %d rejections", n, burst/2+1)
+	}
+}
