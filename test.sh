@@ -12,6 +12,11 @@ if [ -n "$unformatted" ]; then
 fi
 echo "==> go vet"
 go vet ./...
+# The agent runs on private hosts of any kind: the code and its tests must
+# build (and vet) for Windows and macOS too, splicing and TCP_INFO aside.
+echo "==> go vet (windows, darwin)"
+GOOS=windows go vet ./...
+GOOS=darwin go vet ./...
 echo "==> building Caddy with sluice (xcaddy)"
 OUTPUT="$PWD/caddy" ./xcaddy.sh
 echo "==> go test -race"

@@ -14,7 +14,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -208,27 +207,6 @@ func proxyEchoHandler(ch chan<- proxyReport) func(net.Conn) {
 		fmt.Fprintf(c, "%s %s\n", h.SourceAddr, h.DestinationAddr)
 		io.Copy(c, br)
 		c.(*net.TCPConn).CloseWrite()
-	}
-}
-
-// raiseNoFile raises the soft open-file limit to the hard limit (Go
-// already does at start on Linux; this keeps the test honest elsewhere) and
-// skips when even that is below need.
-func raiseNoFile(t testing.TB, need uint64) {
-	t.Helper()
-	var lim syscall.Rlimit
-	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
-		t.Fatal(err)
-	}
-	if lim.Cur < lim.Max {
-		lim.Cur = lim.Max
-		if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
-			t.Logf("raising RLIMIT_NOFILE: %v", err)
-		}
-		syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
-	}
-	if lim.Cur < need {
-		t.Skipf("open-file limit %d below the %d this test needs", lim.Cur, need)
 	}
 }
 

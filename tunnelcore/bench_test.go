@@ -5,9 +5,7 @@ import (
 	"net"
 	"runtime"
 	"sync"
-	"syscall"
 	"testing"
-	"time"
 )
 
 // Knobs for tuning runs (environment): FRAME (MaxFrameSize), CHUNK (bytes per
@@ -66,15 +64,6 @@ func benchmarkStreams(b *testing.B, tr transport, n int) {
 		conns[i].Close()
 		peers[i].Close()
 	}
-}
-
-// processCPU is the CPU time (user and system) the process has used.
-func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 func BenchmarkStream(b *testing.B) {
