@@ -164,6 +164,12 @@ func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstr
 	target := up.cfg.Target
 	uc, err := c.dial(ctx, up)
 	if err != nil {
+		if ctx.Err() != nil { // the session or the agent ended first: not the upstream's fault
+			c.log.Debug("upstream dial abandoned", zap.String("route", up.cfg.Name), zap.Uint64("conn_id", conn.ID()),
+				zap.NamedError("cause", context.Cause(ctx)))
+			conn.Abort(tunnelpb.Error_DIAL_FAILED, "agent stopped dialing: its session ended")
+			return
+		}
 		c.dialFailed(conn, up, "upstream dial failed", fmt.Errorf("dial %s: %w", target, err))
 		return
 	}

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/net/http/httpproxy"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/peer"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
@@ -56,7 +57,7 @@ func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel f
 	if ticket == "" {
 		return grpcFrames, progress, false
 	}
-	conn, err := a.dialLane(ctx, hostport, ticket)
+	conn, err := a.dialLane(ctx, laneAddr(rs, hostport), hostport, ticket)
 	if err != nil {
 		if ctx.Err() == nil {
 			a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
@@ -118,15 +119,29 @@ func (a *Agent) laneTicket(st grpc.ClientStream) string {
 	}
 }
 
-// dialLane opens a lane to hostport with the agent's transport credentials
-// and presents ticket.
-func (a *Agent) dialLane(ctx context.Context, hostport, ticket string) (net.Conn, error) {
+// laneAddr is the address to open the lane to: the one the Connect stream
+// is connected to. Resolving hostport again could pick another of its
+// addresses (DNS round robin over several nodes), whose node never issued
+// the ticket. hostport itself where the stream's peer is not known.
+func laneAddr(st grpc.ClientStream, hostport string) string {
+	if p, ok := peer.FromContext(st.Context()); ok {
+		if ta, ok := p.Addr.(*net.TCPAddr); ok {
+			return ta.String()
+		}
+	}
+	return hostport
+}
+
+// dialLane opens a lane to addr with the agent's transport credentials
+// (verifying the node as hostport, as the gRPC connection does) and
+// presents ticket.
+func (a *Agent) dialLane(ctx context.Context, addr, hostport, ticket string) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, laneDialTimeout)
 	defer cancel()
 	// TCP keepalive stands in for the stream's HTTP/2 pings: it keeps an
 	// idle lane's NAT mapping and finds a dead lane in about a minute.
 	d := net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 4}}
-	raw, err := d.DialContext(ctx, "tcp", hostport)
+	raw, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}

@@ -741,7 +741,10 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		zap.Bool("stall_progress", progress != nil)) // see tunnelcore.Config.Progress
 	a.markConnected(ack.GetNodeId())
 
-	// Serve.
+	// Serve. The upstream dials are bounded by sctx, which ends with this
+	// session: a dial still under way when the session ends would serve a
+	// connection that is gone, and hold its max_connections slot while the
+	// next session's connections are refused.
 	acceptDone := make(chan struct{})
 	go func() {
 		defer close(acceptDone)
@@ -750,7 +753,7 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 			if err != nil {
 				return
 			}
-			a.conn.serve(ctx, conn)
+			a.conn.serve(sctx, conn)
 		}
 	}()
 	defer func() { <-acceptDone }()

@@ -664,3 +664,44 @@ func TestBurstOfAcksEndsInTheLastState(t *testing.T) {
 		t.Fatalf("%d rejection lines for %d rejections", n, burst/2+1)
 	}
 }
+
+// TestDialEndsWithItsSession: an upstream dial still under way when its
+// session ends is given up, so its max_connections slot serves the next
+// session at once instead of after the dial timeout.
+func TestDialEndsWithItsSession(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	held := make(chan net.Conn, 16)
+	defer func() {
+		for len(held) > 0 {
+			(<-held).Close()
+		}
+	}()
+	go func() { // accepts TCP and never answers the TLS handshake
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held <- c
+		}
+	}()
+	node := newFakeNode(t, "secret", nodeOptions{})
+	cfg := testConfig(node.addr, "secret", Upstream{Name: "web", Target: "https://" + ln.Addr().String()})
+	cfg.MaxConnections = 1
+	ag := startAgent(t, cfg)
+	ns := node.next(t)
+	if _, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "web"}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "the dial under way", func() bool { return ag.ActiveConns() == 1 })
+	ns.cancel() // the session ends (a node restart, a network blip)
+	node.next(t)
+	waitFor(t, 5*time.Second, "the dead session's dial given up", func() bool { return ag.ActiveConns() == 0 })
+	if hasLog(ag.logs, "upstream dial failed", "", "") {
+		t.Error("a dial the agent gave up was logged as the upstream's failure")
+	}
+}
