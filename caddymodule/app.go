@@ -355,13 +355,11 @@ func (a *App) Start() error {
 		token: a.node.token.Load(), cert: a.node.cert.Load(), logger: a.node.logger.Load(),
 		budget: a.node.budget.Limit(), slots: a.node.slots.Limit(),
 	}
+	// Sessions that authenticated with a previous token end only once this
+	// config has taken over (the previous config's Stop): a start rolled
+	// back keeps them. New streams need this token from now on.
 	a.node.token.Store(&a.token)
 	a.node.cert.Store(a.cert)
-	if a.prev.token != nil && *a.prev.token != a.token {
-		if n := a.node.endSessionsWithout(a.token); n > 0 {
-			a.logger.Warn("sluice: token changed; ended the sessions that authenticated with the old one", zap.Int("sessions", n))
-		}
-	}
 	a.node.logger.Store(a.logger)
 	lim := tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
 	a.node.budget.SetLimit(lim.Budget)
@@ -405,7 +403,9 @@ func (a *App) Stop() error {
 		return nil // shutdown or unload: no config to hand back to
 	}
 	if !a.node.opts.CompareAndSwap(a.applied, a.prev.opts) {
-		return nil // a newer config took over (a normal reload)
+		// A newer config took over (a normal reload): it is committed now.
+		a.node.endSessionsOfOldTokens()
+		return nil
 	}
 	a.node.token.Store(a.prev.token)
 	if a.prev.token != nil && *a.prev.token != a.token {

@@ -275,6 +275,19 @@ func (n *node) authorize(ctx context.Context) (string, error) {
 // old one, not only their next connection.
 var errTokenChanged = errors.New("the node's token changed; reconnect with the new one")
 
+// endSessionsOfOldTokens ends the sessions that authenticated with a token
+// other than the node's current one, after a reload that changed it took
+// over, and logs how many.
+func (n *node) endSessionsOfOldTokens() {
+	cur := n.token.Load()
+	if cur == nil {
+		return
+	}
+	if ended := n.endSessionsWithout(*cur); ended > 0 {
+		n.log().Warn("sluice: token changed; ended the sessions that authenticated with the old one", zap.Int("sessions", ended))
+	}
+}
+
 // endSessionsWithout closes the sessions that authenticated with another
 // token than token.
 func (n *node) endSessionsWithout(token string) int {
@@ -345,6 +358,15 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	// admitMu from before the session's receive loop starts: a second
 	// Advertise waits until the first is admitted and registered.
 	n.admitMu.Lock()
+	// A reload may have changed the token while this stream waited for its
+	// Advertise: refused before it is registered, so that a stream with a
+	// token no longer valid cannot displace the agent's current session.
+	if cur := n.token.Load(); cur == nil || *cur != token {
+		n.admitMu.Unlock()
+		err := status.Error(codes.Unauthenticated, "the node's token changed while the stream waited for its Advertise")
+		n.logStream("agent rejected", remote, err)
+		return err
+	}
 	frames := tunnelcore.GRPCStream(stream, cancel)
 	if op.lane != nil {
 		frames = &laneStream{LaneStream: op.frames, endGRPC: cancel}

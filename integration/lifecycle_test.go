@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -319,4 +320,69 @@ func TestTokenChangeReachesStreamsWaitingToAdvertise(t *testing.T) {
 		t.Fatalf("old-token stream after the rotation: ended %v with %s, want UNAUTHENTICATED", ok, limStatus(e.err))
 	}
 	eventually(t, 5*time.Second, "no session left", func() bool { return c.mustStats(t).Sessions == 0 })
+}
+
+// TestFailedReloadWithRotatedTokenKeepsSessions: a reload that rotates the
+// token but fails to start (another app cannot bind its port) is rolled
+// back, the running config and its token go on, and so do its agents'
+// sessions: the old token's sessions end only once a reload took over.
+func TestFailedReloadWithRotatedTokenKeepsSessions(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	a, logs := launchAgentObserved(t, c.serverURL(), "agent-a", agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	sessions := a.Sessions()
+
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	failing := siteAll + fmt.Sprintf("\n\nhttp://127.0.0.1:%d {\n\tbind 127.0.0.1\n\trespond \"unreachable\"\n}", busy.Addr().(*net.TCPAddr).Port)
+	c.opts.Sluice = "token rotated-token-0123456789abcdef0123456789"
+	for i := range 8 {
+		if err := c.tryLoadGlobal("", failing); err == nil {
+			t.Fatalf("attempt %d: a config binding a busy port loaded", i)
+		}
+	}
+	c.opts.Sluice = ""
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("after the rolled-back reloads: %d, want 200", code)
+	}
+	if got := a.Sessions(); got != sessions || logs.FilterMessage("authentication failed; retrying").Len() > 0 {
+		t.Fatalf("rolled-back reloads ended the agent's session: sessions %d -> %d, %d authentication failures",
+			sessions, got, logs.FilterMessage("authentication failed; retrying").Len())
+	}
+}
+
+// TestStaleTokenStreamCannotDisplaceAValidSession: a stream authorized
+// with the token a reload rotated away, and advertising after the reload
+// as an agent id that holds the new token, is refused before it is
+// registered: it does not replace that agent's session.
+func TestStaleTokenStreamCannotDisplaceAValidSession(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	up := startUpstream(t, "app")
+	stale := limOpenRaw(t, limControlClient(t, c))
+	eventually(t, 5*time.Second, "the old-token stream awaiting its Advertise", func() bool { return c.mustStats(t).PendingStreams == 1 })
+
+	const rotated = "rotated-token-0123456789abcdef0123456789"
+	c.opts.Sluice = "token " + rotated
+	c.load(siteAll)
+	a, logs := launchAgentLogged(t, c.serverURL(), "agent-x", rotated, nil, true, agent.Upstream{Host: "app.test", Target: up})
+	waitConnected(t, a)
+	sessions := a.Sessions()
+
+	if err := stale.advertise("agent-x"); err != nil {
+		t.Fatal(err)
+	}
+	e, ok := stale.end(10 * time.Second)
+	if !ok || status.Code(e.err) != codes.Unauthenticated {
+		t.Fatalf("old-token stream after the rotation: ended %v with %s, want UNAUTHENTICATED", ok, limStatus(e.err))
+	}
+	if code, _ := get(t, c, "app.test", "/"); code != 200 {
+		t.Fatalf("the new-token agent after the stale stream: %d, want 200", code)
+	}
+	if got := a.Sessions(); got != sessions || logs.FilterMessageSnippet("replaced by another connection").Len() > 0 {
+		t.Fatalf("the stale-token stream displaced the new-token agent's session: sessions %d -> %d", sessions, got)
+	}
 }
