@@ -573,6 +573,9 @@ func (a *Agent) advertise() *tunnelpb.Frame {
 			// Upstream.ForceHTTP1): the node must not send HTTP/2.
 			ForceHttp1:            u.ForceHTTP1 || scheme == "https",
 			VerbatimIdleTimeoutMs: uint32(u.VerbatimIdleTimeout / time.Millisecond),
+			// Each connection's PROXY header names one client: the node
+			// must not pool them across clients.
+			ProxyProtocol: u.ProxyProtocol != "",
 		})
 	}
 	return &tunnelpb.Frame{Kind: &tunnelpb.Frame_Advertise{Advertise: &tunnelpb.Advertise{

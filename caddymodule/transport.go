@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -258,6 +259,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if h := e.route.GetRewriteHost(); h != "" {
 		req.Host = h
 	}
+	if e.route.GetProxyProtocol() {
+		req = perClient(req)
+	}
 	rt := http.RoundTripper(&t.HTTPTransport)
 	if e.route.GetForceHttp1() && t.h1 != nil {
 		t.SetScheme(req)
@@ -352,6 +356,10 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 	if r, ok := ctx.Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
 		info.RemoteAddr = r.RemoteAddr
 	}
+	// The address the client reached, for a PROXY header's destination.
+	if la, ok := ctx.Value(http.LocalAddrContextKey).(net.Addr); ok {
+		info.LocalAddr = la.String()
+	}
 	// The original request Caddy keeps has no TLS state; its replacer
 	// reads the live request's.
 	if repl, ok := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
@@ -370,6 +378,25 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 		return nil, unavailable(fmt.Errorf("sluice: agent %s: %w", e.agent.agentID, err))
 	}
 	return conn, nil
+}
+
+// perClient returns req with its URL's host (the pool key of net/http's
+// transports) prefixed with the client's address, as Caddy's http
+// transport does for proxy_protocol: the agent writes a route's PROXY
+// header once per connection, naming the client whose request dialed it,
+// so a pooled connection must serve that client alone. The dial reads its
+// address from the dial info, not from the key. Escaped, because HTTP/2
+// transports parse the key as an address.
+func perClient(req *http.Request) *http.Request {
+	client := req.RemoteAddr
+	if r, ok := req.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
+		client = r.RemoteAddr
+	}
+	r2 := *req
+	u := *req.URL
+	u.Host = url.QueryEscape(client + "->" + u.Host)
+	r2.URL = &u
+	return &r2
 }
 
 // unavailable makes err a retryable 503 for reverse_proxy.

@@ -872,3 +872,62 @@ func TestVerbatimIdleTimeout(t *testing.T) {
 		t.Fatalf("busy connection: %v", err)
 	}
 }
+
+// TestProxyProtocolHTTPConnectionsArePerClient: on a host route whose
+// agent upstream takes a PROXY header (a tcp:// target Caddy speaks HTTP
+// to), the header is written once per connection and names one client, so
+// the node pools those connections per client: interleaved keep-alive
+// requests of two clients each reach the upstream under their own address,
+// with the address the client reached as the destination.
+func TestProxyProtocolHTTPConnectionsArePerClient(t *testing.T) {
+	c := startCaddy(t, siteAll)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// Behind proxyproto.Listener, the PROXY header's source and destination.
+		fmt.Fprintf(w, "%s %s", r.RemoteAddr, r.Context().Value(http.LocalAddrContextKey))
+	})}
+	go srv.Serve(&proxyproto.Listener{Listener: ln})
+	defer srv.Close()
+	startAgent(t, c.serverURL(), "agent-pp", agent.Upstream{Host: "app.test", Target: "tcp://" + ln.Addr().String(), ProxyProtocol: "v1"})
+
+	// client is one keep-alive client connection to Caddy; addr is its
+	// local address once it dialed.
+	type client struct {
+		http *http.Client
+		addr string
+	}
+	newClient := func() *client {
+		cl := &client{}
+		tr := &http.Transport{MaxConnsPerHost: 1, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err == nil {
+				if cl.addr != "" {
+					t.Errorf("client %s dialed a second connection", cl.addr)
+				}
+				cl.addr = conn.LocalAddr().String()
+			}
+			return conn, err
+		}}
+		cl.http = &http.Client{Transport: tr, Timeout: 10 * time.Second}
+		t.Cleanup(tr.CloseIdleConnections)
+		return cl
+	}
+	want := fmt.Sprintf("127.0.0.1:%d", c.httpPort)
+	a, b := newClient(), newClient()
+	for i, cl := range []*client{a, b, a, b, a} {
+		req, _ := http.NewRequest("GET", c.url("/"), nil)
+		req.Host = "app.test"
+		resp, err := cl.http.Do(req)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(body) != cl.addr+" "+want {
+			t.Fatalf("request %d from %s: the upstream saw %q, want %q", i, cl.addr, body, cl.addr+" "+want)
+		}
+	}
+}

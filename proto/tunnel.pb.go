@@ -407,7 +407,12 @@ type Route struct {
 	VerbatimIdleTimeoutMs uint32 `protobuf:"varint,9,opt,name=verbatim_idle_timeout_ms,json=verbatimIdleTimeoutMs,proto3" json:"verbatim_idle_timeout_ms,omitempty"`
 	// Stable name of the route, used as route_key in Connect. Defaults to the
 	// host, host pattern or ":<listen_port>", else "*" (the catch-all).
-	Name          string `protobuf:"bytes,10,opt,name=name,proto3" json:"name,omitempty"`
+	Name string `protobuf:"bytes,10,opt,name=name,proto3" json:"name,omitempty"`
+	// The agent writes a PROXY protocol header, naming Connect.remote_addr,
+	// at the start of each connection of this route. The node then never
+	// gives one client's connection to another's HTTP request: it keeps
+	// pooled HTTP connections per client address.
+	ProxyProtocol bool `protobuf:"varint,11,opt,name=proxy_protocol,json=proxyProtocol,proto3" json:"proxy_protocol,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -510,6 +515,13 @@ func (x *Route) GetName() string {
 		return x.Name
 	}
 	return ""
+}
+
+func (x *Route) GetProxyProtocol() bool {
+	if x != nil {
+		return x.ProxyProtocol
+	}
+	return false
 }
 
 // AdvertiseAck answers an Advertise.
@@ -1279,7 +1291,7 @@ const file_tunnel_proto_rawDesc = "" +
 	"\bagent_id\x18\x01 \x01(\tR\aagentId\x12\x14\n" +
 	"\x05build\x18\x02 \x01(\tR\x05build\x12/\n" +
 	"\x06routes\x18\x03 \x03(\v2\x17.sluice.tunnel.v1.RouteR\x06routes\x12%\n" +
-	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\"\xd6\x02\n" +
+	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\"\xfd\x02\n" +
 	"\x05Route\x12\x12\n" +
 	"\x04host\x18\x01 \x01(\tR\x04host\x12!\n" +
 	"\fhost_pattern\x18\x02 \x01(\tR\vhostPattern\x12\x16\n" +
@@ -1293,7 +1305,8 @@ const file_tunnel_proto_rawDesc = "" +
 	"forceHttp1\x127\n" +
 	"\x18verbatim_idle_timeout_ms\x18\t \x01(\rR\x15verbatimIdleTimeoutMs\x12\x12\n" +
 	"\x04name\x18\n" +
-	" \x01(\tR\x04name\"\xc3\x01\n" +
+	" \x01(\tR\x04name\x12%\n" +
+	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\"\xc3\x01\n" +
 	"\fAdvertiseAck\x126\n" +
 	"\baccepted\x18\x01 \x03(\v2\x1a.sluice.tunnel.v1.RouteKeyR\baccepted\x12;\n" +
 	"\brejected\x18\x02 \x03(\v2\x1f.sluice.tunnel.v1.RejectedRouteR\brejected\x12\x17\n" +
