@@ -147,6 +147,8 @@ type Upstream struct {
 	scheme   string         // parsed Target: http, https or tcp
 	hostport string         // parsed Target: host:port
 	pattern  *regexp.Regexp // compiled ^(?:HostPattern)$
+	// patternInsts is the size of pattern's program (hostname.CompilePattern).
+	patternInsts int
 	prefixes []netip.Prefix // parsed AllowedCIDRs
 	// origin names where the upstream came from when not the config
 	// file ("SLUICE_UPSTREAMS[1]", "-upstream[0]"), for Validate's
@@ -658,9 +660,13 @@ func (c *Config) Validate() error {
 	}
 
 	// upstreams
-	if len(c.Upstreams) == 0 {
+	switch {
+	case len(c.Upstreams) == 0:
 		fail("upstreams", "at least one upstream is required")
+	case len(c.Upstreams) > tunnelpb.MaxRoutesPerAdvertise:
+		fail("upstreams", "at most %d (a node takes no more routes from one agent), got %d", tunnelpb.MaxRoutesPerAdvertise, len(c.Upstreams))
 	}
+	patternInsts := 0
 	names := map[string]int{}
 	routes := map[string]int{}
 	for i := range c.Upstreams {
@@ -676,6 +682,10 @@ func (c *Config) Validate() error {
 			continue
 		}
 		names[u.Name] = i
+		if patternInsts += u.patternInsts; patternInsts > tunnelpb.MaxAdvertisePatternInsts && u.patternInsts > 0 {
+			fail(field+".host_pattern", "the host patterns up to this one compile to %d regexp instructions, more than the %d a node takes from one agent",
+				patternInsts, tunnelpb.MaxAdvertisePatternInsts)
+		}
 		if key, what := u.routeKey(); key != "" {
 			if j, ok := routes[key]; ok {
 				fail(field, "%s already served by %s", what, c.Upstreams[j].field(j))
@@ -712,7 +722,7 @@ func (u *Upstream) validate(field string) []error {
 	fail := func(sub, format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%s.%s: %s", field, sub, fmt.Sprintf(format, args...)))
 	}
-	u.scheme, u.hostport, u.pattern, u.prefixes = "", "", nil, nil
+	u.scheme, u.hostport, u.pattern, u.patternInsts, u.prefixes = "", "", nil, 0, nil
 	catchAll := strings.TrimSpace(u.Host) == "*" // before Host is normalised to ""
 
 	// target
@@ -748,7 +758,7 @@ func (u *Upstream) validate(field string) []error {
 		if u.Host != "" {
 			fail("host_pattern", "host and host_pattern are mutually exclusive")
 		}
-		re, err := compilePattern(u.HostPattern)
+		re, insts, err := hostname.CompilePattern(u.HostPattern)
 		switch {
 		case err != nil:
 			fail("host_pattern", "%v", err)
@@ -758,7 +768,7 @@ func (u *Upstream) validate(field string) []error {
 			fail("host_pattern", "%q matches %q literally, but hosts are matched lower-cased (write it lower case, or start the pattern with (?i))",
 				u.HostPattern, hostname.UpperCaseLiteral(u.HostPattern))
 		default:
-			u.pattern = re
+			u.pattern, u.patternInsts = re, insts
 		}
 	}
 	hasHost := u.Host != "" || u.HostPattern != ""

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
 	"math/big"
 	"net/netip"
 	"os"
@@ -327,6 +328,16 @@ func TestValidateErrors(t *testing.T) {
 		{"hostless tcp upstream without a name", func(c *Config) {
 			c.Upstreams = append(c.Upstreams, Upstream{Target: "tcp://127.0.0.1:6379"})
 		}, "upstreams[3].name: a tcp:// upstream without host, host_pattern or listen_port is a service reached by its name"},
+		{"more upstreams than a node takes", func(c *Config) {
+			for i := range 1025 {
+				c.Upstreams = append(c.Upstreams, Upstream{Host: fmt.Sprintf("h%d.example.com", i), Target: "http://127.0.0.1:3000"})
+			}
+		}, "upstreams: at most 1024 (a node takes no more routes from one agent), got 1028"},
+		{"host patterns larger together than a node takes", func(c *Config) {
+			for i := range 11 { // ~1,900 instructions each
+				c.Upstreams = append(c.Upstreams, Upstream{HostPattern: fmt.Sprintf("a{950}c{950}b%d", i), Target: "http://127.0.0.1:3000"})
+			}
+		}, "upstreams[13].host_pattern: the host patterns up to this one compile to"},
 		{"named tcp catch-all", func(c *Config) {
 			c.Upstreams = append(c.Upstreams, Upstream{Host: "*", Name: "tls", Target: "tcp://127.0.0.1:8443"})
 		}, `upstreams[3].name: a tcp:// catch-all (host '*') is named "*"; remove name "tls"`},

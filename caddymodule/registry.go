@@ -180,10 +180,10 @@ func newRegistry() *registry {
 // node unbounded memory at admission or CPU per request.
 const (
 	// maxRoutesPerAdvertise: routes past it are rejected.
-	maxRoutesPerAdvertise = 1024
+	maxRoutesPerAdvertise = tunnelpb.MaxRoutesPerAdvertise
 	// maxAdvertiseInsts bounds the compiled patterns of one Advertise
 	// together (hostname.MaxPatternInsts bounds each).
-	maxAdvertiseInsts = 20000
+	maxAdvertiseInsts = tunnelpb.MaxAdvertisePatternInsts
 	// maxRouteNameLength bounds a route name (it is echoed in acks, logs
 	// and Connect frames).
 	maxRouteNameLength = tunnelpb.MaxRouteNameLength

@@ -11,3 +11,13 @@ const MaxRouteNameLength = 256
 // (Drain from the agent, README.md §13): past it plus a margin the node
 // ends the session. Agents refuse a longer shutdown grace at load.
 const MaxLeaveGrace = time.Hour
+
+// Bounds on one Advertise (README.md §12.3): a node rejects the routes past
+// MaxRoutesPerAdvertise, and the host patterns past the point where the
+// Advertise's patterns together compile to more than
+// MaxAdvertisePatternInsts regexp instructions. Agents check both when
+// they load their configuration.
+const (
+	MaxRoutesPerAdvertise    = 1024
+	MaxAdvertisePatternInsts = 20000
+)
