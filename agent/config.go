@@ -149,7 +149,7 @@ type Upstream struct {
 	pattern  *regexp.Regexp // compiled ^(?:HostPattern)$
 	// patternInsts is the size of pattern's program (hostname.CompilePattern).
 	patternInsts int
-	prefixes []netip.Prefix // parsed AllowedCIDRs
+	prefixes     []netip.Prefix // parsed AllowedCIDRs
 	// origin names where the upstream came from when not the config
 	// file ("SLUICE_UPSTREAMS[1]", "-upstream[0]"), for Validate's
 	// errors: the merged list's index is in no source the user wrote.
