@@ -67,7 +67,8 @@ type node struct {
 	sessionLog     *logthrottle.Throttle // agent connected, replaced, disconnected
 	acceptLog      *logthrottle.Throttle // accept errors on agents' ports
 	agentErrLog    *logthrottle.Throttle // Error frames agents send
-	portLog        *logthrottle.Throttle
+	portLog        *logthrottle.Throttle // agent port routes rejected
+	portBindLog    *logthrottle.Throttle // agent ports bound and released
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
@@ -130,6 +131,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		acceptLog:      logthrottle.New(10*time.Second, 1),
 		agentErrLog:    logthrottle.New(10*time.Second, 5),
 		portLog:        logthrottle.New(time.Minute, 5),
+		portBindLog:    logthrottle.New(10*time.Second, 64),
 		id:             ln.Addr().String(),
 		idleClosers:    map[any]func(){},
 		serveDone:      make(chan struct{}),

@@ -124,7 +124,12 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 	}
 	c := &portClaim{port: port, ln: ln, claimants: []*routeEntry{e}}
 	m.by[port] = c
-	m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", e.agent.agentID), zap.String("address", ln.Addr().String()))
+	// Throttled: one Advertise may claim up to 1024 ports, and an agent may
+	// re-advertise every second.
+	if ok, suppressed := m.n.portBindLog.Allow(); ok {
+		m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", e.agent.agentID),
+			zap.String("address", ln.Addr().String()), zap.Int("suppressed_since_last", suppressed))
+	}
 	go m.serve(c)
 	return nil
 }
@@ -151,7 +156,9 @@ func (m *portManager) release(e *routeEntry) {
 	m.mu.Unlock()
 	if closeIt {
 		c.ln.Close()
-		m.n.log().Info("released agent port route", zap.Uint32("port", port))
+		if ok, suppressed := m.n.portBindLog.Allow(); ok {
+			m.n.log().Info("released agent port route", zap.Uint32("port", port), zap.Int("suppressed_since_last", suppressed))
+		}
 	}
 }
 

@@ -189,3 +189,30 @@ func TestNoPortBoundWhileDraining(t *testing.T) {
 		t.Fatalf("port %d accepts connections while the node drains", port)
 	}
 }
+
+// TestPortBindsAndReleasesAreLoggedThrottled: an agent that keeps claiming
+// and dropping its port routes (one Advertise may carry 1024 of them)
+// cannot make the node log a line per bind and release.
+func TestPortBindsAndReleasesAreLoggedThrottled(t *testing.T) {
+	n, port := portTestNode(t)
+	core, logs := observer.New(zap.InfoLevel)
+	n.logger.Store(zap.New(core))
+	s, _ := testSessionPair(t)
+	a := &agentSession{agentID: "agent-a", sess: s}
+	advertisePort(n, a, port)
+	const rounds = 100
+	for range rounds {
+		n.admitMu.Lock()
+		n.readmitLocked(a, []*tunnelpb.Route{{Name: "web", Host: "app.test", Target: "http://127.0.0.1:9"}})
+		n.admitMu.Unlock()
+		advertisePort(n, a, port)
+	}
+	if n.ports.owner(port) == nil {
+		t.Fatal("the port is not bound after the last Advertise")
+	}
+	binds := logs.FilterMessage("listening for agent port route").Len()
+	releases := logs.FilterMessage("released agent port route").Len()
+	if binds+releases > 64 {
+		t.Fatalf("%d binds and %d releases logged for %d of each", binds, releases, rounds)
+	}
+}
