@@ -279,6 +279,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		// for the answer (serveWithPolicy).
 		err = fmt.Errorf("%w (%w)", err, errNodeShutDown)
 	}
+	if err != nil {
+		err = cutByRequest(req.Context(), err)
+	}
 	if err != nil || res.StatusCode == http.StatusSwitchingProtocols {
 		// An upgraded connection is never pooled, and not idle when no
 		// request is in flight; its body must stay the connection
@@ -291,6 +294,21 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	res.Body = &countedBody{ReadCloser: res.Body, done: func() { t.requestDone(e.agent) }}
 	return res, nil
+}
+
+// cutByRequest makes the error of a round trip whose request context
+// ended a context.Canceled to reverse_proxy. Go's HTTP/1 transport returns
+// the context's cause instead, and for this node's own cuts (the exchange
+// deadline, the drain grace) that is an error of ours, which
+// reverse_proxy would take for the upstream's failure: count it against
+// the agent, and try again (each attempt failing at once on the ended
+// context) until lb_try_duration ran out. As context.Canceled it stops at
+// once, and serveWithPolicy answers (504, 503).
+func cutByRequest(ctx context.Context, err error) error {
+	if ctx.Err() == nil || errors.Is(err, context.Canceled) {
+		return err
+	}
+	return fmt.Errorf("%w (%w)", err, context.Canceled)
 }
 
 // requestDone ends a request of a; after the last one of a leaving agent,

@@ -185,6 +185,13 @@ http://g.test:{HTTP} {
 			versions h2c
 		}
 	}
+}
+
+http://h.test:{HTTP} {
+	sluice {
+		max_request_time 300ms
+		lb_try_duration 60s
+	}
 }`
 
 // TestStreamPolicyClassification drives each way an exchange becomes (or
@@ -244,6 +251,17 @@ func TestStreamPolicyClassification(t *testing.T) {
 			t.Fatalf("status %d, want 504", resp.StatusCode)
 		}
 		up.expectCut(t, "g1", 5*time.Second)
+	})
+
+	t.Run("a deadline is a 504 also when reverse_proxy may retry", func(t *testing.T) {
+		// The cut is this node's, not the upstream's failure: reverse_proxy
+		// must neither try again until lb_try_duration (60 s, past the
+		// client's 20 s) ends nor count it against the agent.
+		resp, _ := do(t, "h.test", "/json?delay=1s&id=h1", false)
+		if resp.StatusCode != http.StatusGatewayTimeout {
+			t.Fatalf("status %d, want 504", resp.StatusCode)
+		}
+		up.expectCut(t, "h1", 5*time.Second)
 	})
 
 	t.Run("path prefix takes the stream deadline before headers", func(t *testing.T) {
