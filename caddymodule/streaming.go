@@ -160,10 +160,17 @@ type exchange struct {
 	bytesOut atomic.Int64
 	bytesIn  atomic.Int64
 
-	// connLimited is set by the transport when a dial for this exchange
-	// found no free connection slot.
-	connLimited atomic.Bool
+	// limitedBy names the connection limit that refused this exchange's
+	// connection, set by the transport: the node's max_connections (no
+	// free slot) or the agent's.
+	limitedBy atomic.Pointer[string]
 }
+
+// Names of the connection limits an exchange can be refused by.
+var (
+	nodeConnLimit  = "max_connections"
+	agentConnLimit = "the agent's max_connections"
+)
 
 // exchangeKey carries the *exchange in the request context down to the
 // transport's dial (net/http keeps the request's context values for it).
@@ -301,10 +308,11 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	x.mu.Lock()
 	committed := x.committed
 	x.mu.Unlock()
-	if x.connLimited.Load() && !committed {
-		// The dial found every connection slot taken (the transport
-		// counted and logged it): answer 503 with Retry-After.
-		answerLimited(w, "max_connections")
+	if limit := x.limitedBy.Load(); limit != nil && !committed {
+		// The dial found every connection slot taken, or the agent
+		// refused the connection at its limit (the transport counted and
+		// logged it): answer 503 with Retry-After.
+		answerLimited(w, *limit)
 		return nil
 	}
 	switch {

@@ -20,6 +20,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
@@ -279,6 +280,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		// for the answer (serveWithPolicy).
 		err = fmt.Errorf("%w (%w)", err, errNodeShutDown)
 	}
+	if err != nil && refusedAtAgentLimit(err) {
+		t.agentLimited(req)
+	}
 	if err != nil {
 		err = cutByRequest(req.Context(), err)
 	}
@@ -294,6 +298,38 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	res.Body = &countedBody{ReadCloser: res.Body, done: func() { t.requestDone(e.agent) }}
 	return res, nil
+}
+
+// refusedAtAgentLimit reports whether err is the agent refusing the
+// request's connection at its max_connections, before dialing its
+// upstream.
+func refusedAtAgentLimit(err error) bool {
+	var pe *tunnelcore.PeerError
+	return errors.As(err, &pe) && pe.Code == tunnelpb.Error_RESOURCE_EXHAUSTED
+}
+
+// agentLimited handles a request whose connection the agent refused at its
+// max_connections. The node's idle pooled connections count against that
+// limit, and they hold it until the transports' idle timeout (each route's
+// pool is its own, and the agent's other routes and TCP relays share the
+// limit), so they are closed now for the next attempt to find room; the
+// request, which the upstream never saw, is answered 503 with Retry-After
+// (serveWithPolicy).
+func (t *Transport) agentLimited(req *http.Request) {
+	remote := req.RemoteAddr
+	if r, ok := req.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
+		remote = r.RemoteAddr
+	}
+	t.app.node.logLimit("http", agentConnLimit, remote)
+	t.app.node.closeIdleConns()
+	markLimited(req.Context(), &agentConnLimit)
+}
+
+// markLimited records on the request's exchange the limit that refused it.
+func markLimited(ctx context.Context, limit *string) {
+	if x, ok := ctx.Value(exchangeKey{}).(*exchange); ok {
+		x.limitedBy.Store(limit)
+	}
 }
 
 // cutByRequest makes the error of a round trip whose request context
@@ -387,10 +423,8 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 	}
 	conn, err := t.app.node.open(ctx, e.agent, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
-		t.app.node.logLimit("http", "max_connections", info.RemoteAddr)
-		if x, ok := ctx.Value(exchangeKey{}).(*exchange); ok {
-			x.connLimited.Store(true)
-		}
+		t.app.node.logLimit("http", nodeConnLimit, info.RemoteAddr)
+		markLimited(ctx, &nodeConnLimit)
 	}
 	if err != nil {
 		return nil, unavailable(fmt.Errorf("sluice: agent %s: %w", e.agent.agentID, err))

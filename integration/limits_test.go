@@ -7,9 +7,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -756,4 +758,64 @@ func TestAgentConnectCyclesLeakNothing(t *testing.T) {
 	if d := time.Since(start); d > 60*time.Second {
 		t.Fatalf("100 cycles took %v, want under 60s", d)
 	}
+}
+
+// TestAgentLimitFreesIdlePooledConnections: the node's idle pooled HTTP
+// connections count against the agent's max_connections. When the agent
+// refuses a connection at that limit, the request is answered 503 with
+// Retry-After (its upstream never saw it), and the idle connections are
+// closed, so the agent's other routes are served again at once instead of
+// after the transport's idle timeout.
+func TestAgentLimitFreesIdlePooledConnections(t *testing.T) {
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true}, siteAll)
+	const limit = 4
+	var arrived atomic.Int32
+	all := make(chan struct{})
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Host == "a.test" && arrived.Add(1) == limit {
+			close(all)
+		}
+		if r.Host == "a.test" {
+			select { // hold each a.test request until all are in: limit connections at once
+			case <-all:
+			case <-time.After(10 * time.Second):
+			}
+		}
+		io.WriteString(w, r.Host)
+	}))
+	defer up.Close()
+	startAgentWith(t, c.serverURL(), "agent-a", func(cfg *agent.Config) { cfg.MaxConnections = limit },
+		agent.Upstream{Host: "a.test", Target: up.URL}, agent.Upstream{Host: "b.test", Target: up.URL})
+
+	codes := make(chan int, limit)
+	for range limit {
+		go func() { code, _ := get(t, c, "a.test", "/"); codes <- code }()
+	}
+	for range limit {
+		if code := <-codes; code != 200 {
+			t.Fatalf("a.test: %d", code)
+		}
+	}
+	// The limit connections to a.test are idle in the node's pool now.
+	req, _ := http.NewRequest("GET", c.url("/"), nil)
+	req.Host = "b.test"
+	resp, err := hostClient().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	switch {
+	case resp.StatusCode == http.StatusServiceUnavailable && resp.Header.Get("Retry-After") != "":
+		t.Logf("refused at the agent's limit, as expected: %q", body)
+	case resp.StatusCode != 200:
+		t.Fatalf("b.test with the agent's connections idle in the pool: %d %q, want 200 or 503 with Retry-After", resp.StatusCode, body)
+	}
+	eventually(t, 10*time.Second, "b.test served", func() bool {
+		code, body := get(t, c, "b.test", "/")
+		if code != 200 && code != http.StatusServiceUnavailable {
+			t.Fatalf("b.test: %d %q", code, body)
+		}
+		return code == 200 && body == "b.test"
+	})
 }
