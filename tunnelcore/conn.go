@@ -833,6 +833,10 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 		}
 	}
 	c.wclosed = true
+	// The window grows no more (nothing is granted once rerr is set), and
+	// c leaves the session's table now: a later session end would not
+	// find it to give the charge back.
+	c.rwin.release(c.s.cfg.Budget)
 	hook := c.breakLocked()
 	c.mu.Unlock()
 	runHook(hook)

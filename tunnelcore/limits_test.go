@@ -494,3 +494,37 @@ func TestEndedConnectionHoldsItsSlotUntilItsControlFramesLeft(t *testing.T) {
 	}()
 	eventually(t, 5*time.Second, "the slot released", func() bool { return slots.InUse() == 0 })
 }
+
+// TestPeerAbortGivesTheWindowChargeBack: a connection the peer aborts
+// leaves the session at once, and gives back the budget its grown window
+// was charged, also while its owner has not closed it yet.
+func TestPeerAbortGivesTheWindowChargeBack(t *testing.T) {
+	budget := NewBudget(64 << 20)
+	node, agent := sessionPair(t, transports[0], Config{}, Config{Budget: budget})
+	nc, err := node.Open(ConnectInfo{RouteKey: "r"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac := accept(t, agent)
+	go func() {
+		buf := make([]byte, 256<<10)
+		for range 64 {
+			if _, err := nc.Write(buf); err != nil {
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 64<<10)
+	for i := 0; i < 256 && budget.InUse() == 0; i++ { // a reader keeping up grows the window
+		if _, err := ac.Read(buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if budget.InUse() == 0 {
+		t.Fatal("the window never grew: nothing to give back")
+	}
+	nc.Abort(tunnelpb.Error_RESET, "cut")
+	eventually(t, 5*time.Second, "the aborted connection out of the session", func() bool { return agent.NumConns() == 0 })
+	eventually(t, 5*time.Second, "the window's charge given back", func() bool { return budget.InUse() == 0 })
+	ac.Close()
+}
