@@ -331,7 +331,19 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	if committed && cause != nil && !errors.Is(cause, context.Canceled) {
 		return nil // the stream was cut on purpose; the outcome is logged
 	}
+	if !committed && isUnavailable(err) {
+		// The node shutting down, the agent's session gone while dialing:
+		// the request may succeed elsewhere or soon. Caddy's error
+		// handling writes the status and keeps the headers set here.
+		w.Header().Set("Retry-After", "1")
+	}
 	return err
+}
+
+// isUnavailable reports whether err answers 503.
+func isUnavailable(err error) bool {
+	he, ok := errors.AsType[caddyhttp.HandlerError](err)
+	return ok && he.StatusCode == http.StatusServiceUnavailable
 }
 
 // outcome names how an exchange ended. A failure while the node drains is

@@ -658,6 +658,9 @@ func TestCaddyStopDrainsStreams(t *testing.T) {
 			return
 		}
 		resp.Body.Close()
+		if resp.StatusCode == http.StatusServiceUnavailable && resp.Header.Get("Retry-After") == "" {
+			t.Error("the 503 at the end of the grace has no Retry-After")
+		}
 		pending <- resp.StatusCode
 	}()
 
