@@ -342,20 +342,47 @@ func (l *laneReader) next() (mem.BufferSlice, error) {
 		return msg, nil
 	}
 	// The message runs past the chunk: take what is here, read the rest
-	// into a buffer of its own.
+	// into buffers of its own.
 	var msg mem.BufferSlice
 	if have := l.wr - l.rd; have > 0 {
 		msg = append(msg, l.view(l.rd, l.wr))
 		n -= have
 	}
 	l.dropChunk()
-	rest := bufferPool.Get(n)
-	if _, err := io.ReadFull(l.r, *rest); err != nil {
-		bufferPool.Put(rest)
+	msg, err := l.readRest(msg, n)
+	if err != nil {
 		msg.Free()
-		return nil, unexpected(err)
+		return nil, err
 	}
-	return append(msg, mem.NewBuffer(rest, bufferPool)), nil
+	return msg, nil
+}
+
+// firstRestPiece is the size of the first buffer readRest takes: the
+// chunk's size, so that the rest of a DATA message of the default largest
+// frame (DefaultMaxFrameSize) is still one buffer and one read.
+const firstRestPiece = laneChunk
+
+// readRest appends the next n bytes of the stream to msg, in buffers read
+// whole, each twice the size of the one before (from firstRestPiece, at
+// most n in all). Memory is taken as the bytes arrive, not as announced:
+// a peer that announces a 4 MiB message and sends 5 bytes holds 256 KiB of
+// the node's memory besides the chunk, not 4 MiB (gRPC likewise assembles
+// a message from the HTTP/2 frames that arrived).
+func (l *laneReader) readRest(msg mem.BufferSlice, n int) (mem.BufferSlice, error) {
+	for piece := firstRestPiece; n > 0; piece *= 2 {
+		size := min(piece, n)
+		if n-size < size/2 {
+			size = n // no small last piece
+		}
+		buf := bufferPool.Get(size)
+		if _, err := io.ReadFull(l.r, *buf); err != nil {
+			bufferPool.Put(buf)
+			return msg, unexpected(err)
+		}
+		msg = append(msg, mem.NewBuffer(buf, bufferPool))
+		n -= size
+	}
+	return msg, nil
 }
 
 // view returns chunk bytes [from, to): a view that holds the chunk, or

@@ -242,3 +242,41 @@ func TestPlaintextLaneWritesTheSocket(t *testing.T) {
 		t.Fatal("a lane over another conn (TLS) writes unbuffered")
 	}
 }
+
+// trickle hands out its bytes a few KiB per Read and records, for each
+// Read, how large a buffer it was given against how much it had delivered.
+type trickle struct {
+	data      []byte
+	delivered int
+	worst     float64 // the largest len(p) / max(delivered, laneChunk) seen
+}
+
+func (r *trickle) Read(p []byte) (int, error) {
+	if len(r.data) == 0 {
+		return 0, io.EOF
+	}
+	r.worst = max(r.worst, float64(len(p))/float64(max(r.delivered, laneChunk)))
+	n := copy(p[:min(len(p), 4<<10)], r.data)
+	r.data = r.data[n:]
+	r.delivered += n
+	return n, nil
+}
+
+// TestLaneReaderTakesMemoryAsBytesArrive: a message announced long is read
+// into buffers taken as its bytes come, not all at once: a peer sending a
+// 4 MiB length prefix and then little or nothing holds the lane's chunk
+// (which every lane holds) and a few times what it sent, not 4 MiB.
+func TestLaneReaderTakesMemoryAsBytesArrive(t *testing.T) {
+	payload := make([]byte, maxLaneMessage)
+	for i := range payload {
+		payload[i] = byte(i * 7)
+	}
+	r := &trickle{data: laneBytes(payload)}
+	got, err := readAll(r)
+	if err != io.EOF || len(got) != 1 || !bytes.Equal(got[0], payload) {
+		t.Fatalf("read %d messages (%v); want the 4 MiB message whole", len(got), err)
+	}
+	if r.worst > 3 {
+		t.Fatalf("a read was given a buffer %.1f times what had arrived", r.worst)
+	}
+}
