@@ -369,6 +369,13 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		n.logStream("agent rejected", remote, err)
 		return err
 	}
+	// drain marks the node draining and lists the sessions to tell under
+	// admitMu: a session registered after that is refused here instead of
+	// serving on a node going away without its Drain.
+	if n.draining.Load() {
+		n.admitMu.Unlock()
+		return status.Error(codes.Unavailable, errDrainingNode.Error())
+	}
 	frames := tunnelcore.GRPCStream(stream, cancel)
 	if op.lane != nil {
 		frames = &laneStream{LaneStream: op.frames, endGRPC: cancel}
@@ -565,18 +572,26 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 	defer timer.Stop()
 	var r recvResult
 	var op opening
+	// A stream still waiting when the node starts draining is ended then:
+	// it would register on a node going away, after the Drain went out.
+	draining := n.drainCtx.Done()
 	select {
 	case r = <-ch:
 	case conn := <-lanes:
 		op = opening{lane: conn, frames: tunnelcore.ConnStream(conn), grpcRecv: ch}
-		r = readLaneAdvertise(conn, op.frames, ch, timer.C)
+		r = readLaneAdvertise(conn, op.frames, ch, timer.C, draining)
 	case <-timer.C:
 		r.err = errNoAdvertise
+	case <-draining:
+		r.err = errDrainingNode
 	}
 	var err error
-	if errors.Is(r.err, errNoAdvertise) {
+	switch {
+	case errors.Is(r.err, errNoAdvertise):
 		err = status.Errorf(codes.DeadlineExceeded, "no Advertise within %v", timeout)
-	} else {
+	case errors.Is(r.err, errDrainingNode):
+		err = status.Error(codes.Unavailable, errDrainingNode.Error())
+	default:
 		op.adv, err = checkAdvertise(r)
 	}
 	if err != nil && op.frames != nil {
@@ -586,10 +601,14 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 }
 
 // errNoAdvertise: the Advertise did not come within the advertise timeout.
-var errNoAdvertise = errors.New("no Advertise")
+// errDrainingNode: the node started draining first.
+var (
+	errNoAdvertise  = errors.New("no Advertise")
+	errDrainingNode = errors.New("node is draining")
+)
 
 // readLaneAdvertise accepts the lane conn and reads its first frame.
-func readLaneAdvertise(conn net.Conn, frames tunnelcore.LaneStream, grpcRecv <-chan recvResult, timeout <-chan time.Time) recvResult {
+func readLaneAdvertise(conn net.Conn, frames tunnelcore.LaneStream, grpcRecv <-chan recvResult, timeout <-chan time.Time, draining <-chan struct{}) recvResult {
 	if _, err := conn.Write([]byte{tunnelpb.LaneAccepted}); err != nil {
 		return recvResult{err: status.Errorf(codes.Unavailable, "answering the data lane: %v", err)}
 	}
@@ -617,6 +636,10 @@ func readLaneAdvertise(conn net.Conn, frames tunnelcore.LaneStream, grpcRecv <-c
 		frames.Close(errNoAdvertise)
 		<-ch
 		return recvResult{err: errNoAdvertise}
+	case <-draining:
+		frames.Close(errDrainingNode)
+		<-ch
+		return recvResult{err: errDrainingNode}
 	}
 }
 
@@ -1063,12 +1086,15 @@ func (n *node) connectionsOpen() int {
 // drain stops new tunnel streams and port connections, tells the agents,
 // and waits (up to drain_grace) for open virtual connections to finish.
 func (n *node) drain() {
+	n.admitMu.Lock() // see Connect: no session registers past this unseen
 	n.draining.Store(true)
+	sessions := n.reg.sessions()
+	n.admitMu.Unlock()
 	n.drainNow()
 	n.ports.closeAll()
 	n.closeIdleConns() // idle pooled connections are not in flight: do not wait for them
 	grace := n.opts.Load().drainGrace
-	for _, a := range n.reg.sessions() {
+	for _, a := range sessions {
 		a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{
 			GraceMs: uint32(grace / time.Millisecond), Reason: "node shutting down",
 		}}})
