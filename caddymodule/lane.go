@@ -108,6 +108,16 @@ func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInf
 	if first[0] != tunnelpb.LanePreface[0] {
 		return &peekedConn{Conn: conn, first: first[0], unread: true}, ai, nil
 	}
+	// A lane: the guard lets it go (its ticket is checked next, within
+	// gRPC's handshake deadline), and the lane runs on the socket itself,
+	// which a plaintext lane writes with writev and splices into.
+	if g, ok := raw.(*guardedConn); ok {
+		g.prove()
+		if conn == raw {
+			conn = g.Conn
+		}
+		raw = g.Conn
+	}
 	if err := c.takeLane(tunnelcore.OverSocket(conn, raw)); err != nil {
 		conn.Close()
 		if c.refused != nil {

@@ -69,6 +69,7 @@ type node struct {
 	agentErrLog    *logthrottle.Throttle // Error frames agents send
 	portLog        *logthrottle.Throttle // agent port routes rejected
 	portBindLog    *logthrottle.Throttle // agent ports bound and released
+	guard          *connGuard            // the control listener's unproven connections
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
@@ -137,6 +138,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		serveDone:      make(chan struct{}),
 	}
 	n.ports = newPortManager(n)
+	n.guard = newConnGuard(ln, n)
 	n.drainCtx, n.drainNow = context.WithCancel(context.Background())
 	go n.watchExit()
 	n.logger.Store(logger)
@@ -184,7 +186,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 	tunnelpb.RegisterTunnelServer(n.server, &tunnelService{n: n})
 	go func() {
 		defer close(n.serveDone)
-		if err := n.server.Serve(ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		if err := n.server.Serve(n.guard); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			n.log().Error("sluice control plane stopped serving", zap.String("listen", addr), zap.Error(err))
 		}
 	}()
@@ -322,6 +324,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		n.logStream("agent rejected", remote, err)
 		return err
 	}
+	n.guard.prove(remote)
 	opts := n.opts.Load()
 	releasePending, err := n.admitStream(remote, opts)
 	if err != nil {
