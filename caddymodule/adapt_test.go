@@ -29,6 +29,7 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"listen arity", "{\n\tsluice {\n\t\tlisten a b\n\t}\n}\n:80\n", "listen: takes one value"},
 		{"tls arity", "{\n\tsluice {\n\t\ttls cert.pem\n\t}\n}\n:80\n", "tls: want <cert_file> <key_file>"},
 		{"bad duration", "{\n\tsluice {\n\t\tadvertise_timeout soon\n\t}\n}\n:80\n", "advertise_timeout"},
+		{"media types with a comma", ":80 {\n\tsluice {\n\t\tstream_request_accept_types text/event-stream,application/x-ndjson\n\t}\n}\n", "sluice: stream_request_accept_types: \"text/event-stream,application/x-ndjson\" is not a media type"},
 		{"data_lane value", "{\n\tsluice {\n\t\tdata_lane maybe\n\t}\n}\n:80\n", `data_lane: want on or off, got "maybe"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -121,10 +121,12 @@ type App struct {
 	MaxSessionsPerAddress int `json:"max_sessions_per_address,omitempty"`
 
 	// MaxPendingStreams bounds the agent streams that have not sent their
-	// Advertise yet. Default 256.
+	// Advertise yet, and, apart from them, the control connections that
+	// have not carried a Connect with the token yet (such a connection is
+	// closed after 30 s). Default 256.
 	MaxPendingStreams int `json:"max_pending_streams,omitempty"`
 
-	// MaxPendingStreamsPerAddress bounds them per address. Default 16.
+	// MaxPendingStreamsPerAddress bounds both per address. Default 16.
 	MaxPendingStreamsPerAddress int `json:"max_pending_streams_per_address,omitempty"`
 
 	// TunnelStallTimeout fails a session whose agent stopped taking frames
@@ -310,7 +312,13 @@ func (a *App) resolveToken() (string, error) {
 	case a.Token != "" && a.TokenFile != "":
 		return "", errors.New("sluice: token and token_file are mutually exclusive")
 	case a.Token != "":
-		return a.Token, nil
+		// Trimmed and checked as the agent does, so that a token no agent
+		// can send fails here, not at every agent's connect.
+		t := ident.TrimToken(a.Token)
+		if err := ident.CheckToken(t); err != nil {
+			return "", fmt.Errorf("sluice: token: %w", err)
+		}
+		return t, nil
 	case a.TokenFile != "":
 		b, err := os.ReadFile(a.TokenFile)
 		if err != nil {
@@ -319,6 +327,9 @@ func (a *App) resolveToken() (string, error) {
 		t := ident.TrimToken(string(b)) // as the agent reads the same file
 		if t == "" {
 			return "", fmt.Errorf("sluice: token_file: %s is empty", a.TokenFile)
+		}
+		if err := ident.CheckToken(t); err != nil {
+			return "", fmt.Errorf("sluice: token_file: %s: %w (one line: the token)", a.TokenFile, err)
 		}
 		return t, nil
 	}

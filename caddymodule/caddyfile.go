@@ -275,6 +275,9 @@ func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
 				if len(args) == 1 && args[0] == "off" {
 					list = []string{}
 				}
+				if err := checkMediaTypes(list); err != nil {
+					return d.Errf("sluice: %s: %v", opt, err)
+				}
 				if opt == "stream_response_content_types" {
 					p.StreamResponseContentTypes = &list
 				} else {
@@ -305,6 +308,10 @@ func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
 				default:
 					p.StreamIdleTimeout = caddy.Duration(dur)
 				}
+			default:
+				// reverse_proxy's: skip its arguments, which may read like
+				// one of the options above (header_up X-Mode max_request_time).
+				d.RemainingArgs()
 			}
 			if err != nil {
 				return err

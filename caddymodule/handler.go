@@ -67,6 +67,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	} else if p := moduleName(h.TransportRaw, "protocol"); p != "sluice" {
 		return fmt.Errorf("sluice: transport: must be `sluice`, got %q", p)
 	}
+	if h.HealthChecks != nil && h.HealthChecks.Active != nil {
+		// Caddy runs active checks on static upstreams only: they would
+		// never run. A session that ends leaves the table at once, and
+		// passive checks (fail_duration, ...) apply.
+		return fmt.Errorf("sluice: health_checks: active health checks (health_uri, health_port, ...) never run on agents; use passive ones (fail_duration, max_fails, unhealthy_status)")
+	}
 	if h.LoadBalancing == nil {
 		h.LoadBalancing = &reverseproxy.LoadBalancing{}
 	}

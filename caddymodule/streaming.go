@@ -81,11 +81,21 @@ func (p *StreamPolicy) validate() error {
 			return fmt.Errorf("sluice: %s must not be negative", name)
 		}
 	}
-	for _, list := range [][]string{p.responseTypes(), p.acceptTypes()} {
-		for _, t := range list {
-			if !strings.Contains(t, "/") || strings.ContainsAny(t, ",; ") {
-				return fmt.Errorf("sluice: %q is not a media type like text/event-stream", t)
-			}
+	for name, list := range map[string][]string{
+		"stream_response_content_types": p.responseTypes(), "stream_request_accept_types": p.acceptTypes(),
+	} {
+		if err := checkMediaTypes(list); err != nil {
+			return fmt.Errorf("sluice: %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// checkMediaTypes accepts bare media types (type/subtype, no parameters).
+func checkMediaTypes(list []string) error {
+	for _, t := range list {
+		if !strings.Contains(t, "/") || strings.ContainsAny(t, ",; ") {
+			return fmt.Errorf("%q is not a media type like text/event-stream (several are separated by spaces; off alone turns the match off)", t)
 		}
 	}
 	return nil

@@ -125,6 +125,11 @@ func refuseSocketOptions(h *reverseproxy.HTTPTransport) error {
 		option, why = "network_proxy/forward_proxy_url", "the agent dials the upstream directly"
 	case h.KeepAlive != nil && h.KeepAlive.ProbeInterval != 0:
 		option, why = "keepalive_interval", "a virtual connection has no TCP socket (the tunnel's gRPC keepalive watches the link)"
+	case h.ReadTimeout != 0 || h.WriteTimeout != 0:
+		// Caddy applies them in its own dialer, to TCP sockets only.
+		option, why = "read_timeout/write_timeout", "a virtual connection has no TCP socket; bound the exchange with the sluice directive's max_request_time and stream_idle_timeout"
+	case h.TLS != nil && len(h.TLS.ExceptPorts) > 0:
+		option, why = "tls_except_ports", "the dial address names an agent session, not the upstream's port"
 	default:
 		return nil
 	}
