@@ -26,15 +26,7 @@ func TestPendingStreamEndsAtDrainStart(t *testing.T) {
 	opts := *n.opts.Load()
 	opts.advertiseTimeout = time.Minute
 	n.opts.Store(&opts)
-	cc, err := grpc.NewClient(n.listener.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer secret"))
-	defer cancel()
-	st, err := tunnelpb.NewTunnelClient(cc).Connect(ctx)
+	st, err := connectStream(t, controlClient(t, n), "secret")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,4 +52,25 @@ func TestPendingStreamEndsAtDrainStart(t *testing.T) {
 	if got := len(n.reg.sessions()); got != 0 {
 		t.Fatalf("%d sessions registered on the draining node", got)
 	}
+}
+
+// controlClient is a gRPC client of n's control listener, closed at the
+// test's end.
+func controlClient(t *testing.T, n *node) *grpc.ClientConn {
+	t.Helper()
+	cc, err := grpc.NewClient(n.listener.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	return cc
+}
+
+// connectStream opens a Connect stream on cc with token, ended at the
+// test's end.
+func connectStream(t *testing.T, cc *grpc.ClientConn, token string) (grpc.BidiStreamingClient[tunnelpb.Frame, tunnelpb.Frame], error) {
+	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token))
+	t.Cleanup(cancel)
+	return tunnelpb.NewTunnelClient(cc).Connect(ctx)
 }

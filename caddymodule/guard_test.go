@@ -8,8 +8,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/sluice-tunnel/sluice/internal/testwait"
@@ -27,18 +25,9 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 	n.token.Store(&tok)
 	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 3, advertiseTimeout: time.Minute, drainGrace: time.Second})
 	n.guard.lifetime.Store(int64(time.Second))
-	addr := n.listener.Addr().String()
 
 	// An agent, proven by its Connect, before the idle ones.
-	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
-	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer secret"))
-	defer cancel()
-	st, err := tunnelpb.NewTunnelClient(cc).Connect(ctx)
+	st, err := connectStream(t, controlClient(t, n), "secret")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,14 +38,8 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 	// stream).
 	var clients []*grpc.ClientConn
 	for i := range 4 {
-		c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-			grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		wrong := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer wrong")
-		s, err := tunnelpb.NewTunnelClient(c).Connect(wrong)
+		c := controlClient(t, n)
+		s, err := connectStream(t, c, "wrong")
 		if err == nil {
 			_, err = s.Recv()
 		}
