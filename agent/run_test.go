@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -703,5 +704,51 @@ func TestDialEndsWithItsSession(t *testing.T) {
 	waitFor(t, 5*time.Second, "the dead session's dial given up", func() bool { return ag.ActiveConns() == 0 })
 	if hasLog(ag.logs, "upstream dial failed", "", "") {
 		t.Error("a dial the agent gave up was logged as the upstream's failure")
+	}
+}
+
+// TestEarlyAnswerBeforeAResetIsDelivered: an upstream that answers an
+// upload early (a 413) and closes with the body unread resets the
+// connection right after its answer. A client of the upstream itself reads
+// the answer; through the agent it must too, not only the reset.
+func TestEarlyAnswerBeforeAResetIsDelivered(t *testing.T) {
+	const answer = "HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { // reads the request line, answers, closes with the body unread
+				bufio.NewReader(c).ReadString('\n')
+				c.Write([]byte(answer))
+				c.Close()
+			}()
+		}
+	}()
+	node := newFakeNode(t, "secret", nodeOptions{})
+	startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "up", Host: "app.test", Target: "http://" + ln.Addr().String()}))
+	ns := node.next(t)
+	body := bytes.Repeat([]byte("x"), 4<<20)
+	for i := range 20 {
+		c, err := ns.sess.Open(tunnelcore.ConnectInfo{RouteKey: "up"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		go func() {
+			c.Write([]byte("POST /upload HTTP/1.1\r\n"))
+			c.Write(body)
+		}()
+		got, err := io.ReadAll(io.LimitReader(c, int64(len(answer))))
+		c.Close()
+		if string(got) != answer {
+			t.Fatalf("upload %d: the node read %q (%v), want the upstream's answer", i, got, err)
+		}
 	}
 }

@@ -947,6 +947,15 @@ func runHook(f func()) {
 	}
 }
 
+// awaitSent waits, at most d, until every frame c queued has left the
+// sender (or c broke, which drops them).
+func (c *Conn) awaitSent(d time.Duration) {
+	deadline := time.Now().Add(d)
+	for c.queued.Load() > 0 && !c.isBroken() && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond) // an error path's bounded wait: polling is enough
+	}
+}
+
 // Counts returns the payload bytes read from and written to the
 // connection so far. It is cheap enough to poll, which is how a relay can
 // watch for idleness without wrapping the connection (and losing its

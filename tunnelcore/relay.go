@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -61,6 +62,10 @@ const (
 	lingerBatch = 16 << 10
 	// lingerPoll is how often a delivery after a peer's close is checked.
 	lingerPoll = 50 * time.Millisecond
+	// resetDelivery bounds each wait of a relay whose socket's peer reset
+	// the connection: for the socket's reader to take what the peer sent
+	// before, and for the Conn to send it (see deliverThenAbort).
+	resetDelivery = 2 * time.Second
 )
 
 // errDeliveryCut is the result of a relay that gave up delivering what a
@@ -201,8 +206,52 @@ func (r *relay) pipe(i int, n *int64) {
 	case isClosedErr(err) && !errors.Is(err, ErrSessionClosed):
 		r.abort(nil)
 	default:
-		r.abort(err) // a session's end too: the stream was cut short
+		r.deliverThenAbort(err) // a session's end too: the stream was cut short
 	}
+}
+
+// deliverThenAbort cuts the relay after err. When err is the socket's peer
+// resetting the connection (ECONNRESET, EPIPE), what that peer sent before
+// its reset reaches the Conn's peer first, as it would reach a client of
+// the socket itself: a server that answers an upload early (a 413, a 401)
+// and closes with the body unread resets the connection right after its
+// answer. An abort drops the Conn's queued frames, and a socket closed
+// with unread bytes drops those, so it waits, at most resetDelivery each,
+// for the socket's reader to finish and for the Conn's queue to drain.
+func (r *relay) deliverThenAbort(err error) {
+	vc, sock := r.connSides()
+	if vc == nil || !isPeerReset(err) {
+		r.abort(err)
+		return
+	}
+	wait := time.NewTimer(resetDelivery)
+	select {
+	case <-r.copied[sock]:
+	case <-wait.C:
+	}
+	wait.Stop()
+	vc.awaitSent(resetDelivery)
+	r.abort(err)
+}
+
+// connSides returns the relay's Conn and the index of its other side, or
+// nil when not exactly one side is a Conn.
+func (r *relay) connSides() (*Conn, int) {
+	a, aok := r.conns[0].(*Conn)
+	b, bok := r.conns[1].(*Conn)
+	switch {
+	case aok && !bok:
+		return a, 1
+	case bok && !aok:
+		return b, 0
+	}
+	return nil, 0
+}
+
+// isPeerReset reports whether err is a socket's peer resetting (or having
+// closed) the connection under a read or write.
+func isPeerReset(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
 
 // copyConn is io.Copy, except that a Conn reading a TCP socket is given
