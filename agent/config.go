@@ -112,7 +112,8 @@ type Upstream struct {
 	// the form the node is sent.
 	Target string `yaml:"target"`
 	// RewriteHost is the Host header the upstream expects; empty keeps the
-	// client's.
+	// client's. Routes that take HTTP only (not listen_port,
+	// tls_passthrough or a named tcp:// service).
 	RewriteHost string `yaml:"rewrite_host"`
 	// InsecureSkipVerify (https targets only) skips verification of the
 	// upstream's certificate.
@@ -127,7 +128,8 @@ type Upstream struct {
 	// ProxyProtocol is "", "v1" or "v2" (tcp:// targets only): the PROXY
 	// protocol header the agent sends to the upstream.
 	ProxyProtocol string `yaml:"proxy_protocol"`
-	// ForceHTTP1 marks an http:// upstream that speaks HTTP/1.1 only:
+	// ForceHTTP1 marks an upstream that speaks HTTP/1.1 only (http://, or
+	// a tcp:// route reached by host that Caddy speaks HTTP or TLS to):
 	// Caddy's sluice transport uses HTTP/1.1 for this route even when its
 	// versions enable h2c or HTTP/2. It is always advertised for https://
 	// targets: the agent speaks to them over HTTP/1.1 (ALPN http/1.1)
@@ -812,13 +814,17 @@ func (u *Upstream) validate(field string) []error {
 	default:
 		fail("proxy_protocol", "%q not supported (want v1 or v2)", u.ProxyProtocol)
 	}
-	if isTCP && u.ForceHTTP1 {
-		fail("force_http1", "only valid with an http:// or https:// target")
+	// A tcp:// route that takes HTTP (by host, host pattern or as the
+	// catch-all; Caddy may speak TLS to it) is spoken to by the node as
+	// any HTTP route: these two apply to it.
+	takesHTTP := !isTCP || (u.ListenPort == 0 && !u.TLSPassthrough && (u.Host != "" || u.HostPattern != "" || catchAll))
+	if u.ForceHTTP1 && !takesHTTP {
+		fail("force_http1", "only valid on a route that takes HTTP (not listen_port, tls_passthrough or a named tcp:// service)")
 	}
 	u.RewriteHost = strings.TrimSpace(u.RewriteHost)
 	if u.RewriteHost != "" {
-		if isTCP {
-			fail("rewrite_host", "only valid with an http:// or https:// target")
+		if !takesHTTP {
+			fail("rewrite_host", "only valid on a route that takes HTTP (not listen_port, tls_passthrough or a named tcp:// service)")
 		}
 		if strings.ContainsFunc(u.RewriteHost, func(r rune) bool { return unicode.IsSpace(r) || r == '/' || !unicode.IsPrint(r) }) {
 			fail("rewrite_host", "%q is not a host[:port]", u.RewriteHost)
@@ -830,6 +836,11 @@ func (u *Upstream) validate(field string) []error {
 		if err != nil {
 			fail(fmt.Sprintf("allowed_cidrs[%d]", j), "%v", err)
 			continue
+		}
+		if p.Addr().Is4In6() && p.Bits() >= 96 {
+			// Client addresses are compared unmapped (as the node does):
+			// an IPv4-mapped prefix would match no one.
+			p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
 		}
 		u.AllowedCIDRs[j] = p.String()
 		u.prefixes = append(u.prefixes, p)

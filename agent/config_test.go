@@ -302,8 +302,12 @@ func TestValidateErrors(t *testing.T) {
 		{"listen_port tls_passthrough", func(c *Config) { c.Upstreams[1].ListenPort = 2000 }, "upstreams[1].listen_port: cannot be combined with tls_passthrough"},
 		{"proxy_protocol value", func(c *Config) { c.Upstreams[2].ProxyProtocol = "v3" }, `upstreams[2].proxy_protocol: "v3" not supported`},
 		{"proxy_protocol http", func(c *Config) { up(c).ProxyProtocol = "v2" }, "upstreams[0].proxy_protocol: only valid with a tcp:// target"},
-		{"force_http1 tcp", func(c *Config) { c.Upstreams[2].ForceHTTP1 = true }, "upstreams[2].force_http1: only valid with an http:// or https:// target"},
-		{"rewrite_host tcp", func(c *Config) { c.Upstreams[2].RewriteHost = "x" }, "upstreams[2].rewrite_host: only valid with an http"},
+		{"force_http1 listen_port", func(c *Config) { c.Upstreams[2].ForceHTTP1 = true }, "upstreams[2].force_http1: only valid on a route that takes HTTP"},
+		{"force_http1 tls_passthrough", func(c *Config) { c.Upstreams[1].ForceHTTP1 = true }, "upstreams[1].force_http1: only valid on a route that takes HTTP"},
+		{"rewrite_host listen_port", func(c *Config) { c.Upstreams[2].RewriteHost = "x" }, "upstreams[2].rewrite_host: only valid on a route that takes HTTP"},
+		{"rewrite_host named tcp service", func(c *Config) {
+			c.Upstreams = append(c.Upstreams, Upstream{Name: "pg", Target: "tcp://127.0.0.1:5432", RewriteHost: "x"})
+		}, "upstreams[3].rewrite_host: only valid on a route that takes HTTP"},
 		{"rewrite_host space", func(c *Config) { up(c).RewriteHost = "a b" }, "upstreams[0].rewrite_host: "},
 		{"allowed_cidrs", func(c *Config) { up(c).AllowedCIDRs = []string{"10.0.0.0/8", "10.0.0.300/8"} }, "upstreams[0].allowed_cidrs[1]: "},
 		{"allowed_cidrs bare address", func(c *Config) { up(c).AllowedCIDRs = []string{"10.0.0.1"} }, "upstreams[0].allowed_cidrs[0]: "},
@@ -364,6 +368,33 @@ func TestValidateJoinsErrors(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), w) {
 			t.Errorf("error %v does not contain %q", err, w)
 		}
+	}
+}
+
+// TestTCPRoutesThatTakeHTTPTakeItsOptions: a tcp:// route reached by host
+// (Caddy speaks HTTP, or TLS, to it) takes force_http1 and rewrite_host,
+// which the node applies to every HTTP route.
+func TestTCPRoutesThatTakeHTTPTakeItsOptions(t *testing.T) {
+	c := validConfig()
+	c.Upstreams = append(c.Upstreams,
+		Upstream{Host: "legacy.example.com", Target: "tcp://127.0.0.1:8080", ForceHTTP1: true, RewriteHost: "legacy.internal"},
+		Upstream{Host: "*", Target: "tcp://127.0.0.1:8081", ForceHTTP1: true})
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestIPv4MappedCIDRsAreUnmapped: client addresses are compared unmapped,
+// so an IPv4-mapped prefix is stored as the IPv4 prefix it covers.
+func TestIPv4MappedCIDRsAreUnmapped(t *testing.T) {
+	c := validConfig()
+	c.Upstreams[0].AllowedCIDRs = []string{"::ffff:10.0.0.0/104", "::ffff:192.0.2.7/128", "2001:db8::/32"}
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"10.0.0.0/8", "192.0.2.7/32", "2001:db8::/32"}
+	if got := c.Upstreams[0].AllowedCIDRs; !slices.Equal(got, want) {
+		t.Fatalf("allowed_cidrs %q, want %q", got, want)
 	}
 }
 

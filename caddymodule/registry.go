@@ -240,7 +240,7 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 				badCIDR = c
 				break
 			}
-			e.allowed = append(e.allowed, p.Masked())
+			e.allowed = append(e.allowed, unmappedPrefix(p))
 		}
 		if badCIDR != "" {
 			reject(fmt.Sprintf("allowed_cidrs: %q is not a CIDR prefix", badCIDR))
@@ -550,4 +550,14 @@ func (r *registry) awaitHTTP(ctx context.Context, host string, d time.Duration) 
 			return nil
 		}
 	}
+}
+
+// unmappedPrefix is p masked, and for an IPv4-mapped IPv6 prefix the IPv4
+// prefix it covers: client addresses are compared unmapped, so a mapped
+// prefix would match no one.
+func unmappedPrefix(p netip.Prefix) netip.Prefix {
+	if p.Addr().Is4In6() && p.Bits() >= 96 {
+		p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
+	}
+	return p.Masked()
 }

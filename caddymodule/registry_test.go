@@ -138,12 +138,18 @@ func TestAllowedFor(t *testing.T) {
 	entries, _ := validateRoutes([]*tunnelpb.Route{
 		{Name: "lan", AllowedCidrs: []string{"10.0.0.0/8", "::1/128"}},
 		{Name: "all"},
+		// IPv4-mapped, as an agent older than this check could send it:
+		// clients are compared unmapped, so it means 172.16.0.0/12.
+		{Name: "mapped", AllowedCidrs: []string{"::ffff:172.16.0.0/108"}},
 	})
 	for addr, want := range map[string]string{
-		"10.1.2.3:5555": "lan,all",
-		"[::1]:80":      "lan,all",
-		"192.0.2.1:1":   "all",
-		"garbage":       "all",
+		"10.1.2.3:5555":            "lan,all",
+		"[::1]:80":                 "lan,all",
+		"192.0.2.1:1":              "all",
+		"garbage":                  "all",
+		"172.16.9.9:1":             "all,mapped",
+		"[::ffff:172.16.9.9]:1":    "all,mapped",
+		"[::ffff:192.168.0.1]:443": "all",
 	} {
 		var names []string
 		for _, e := range allowedFor(entries, addr) {

@@ -515,3 +515,21 @@ func TestHTTPSTargetBehindAnH2CTransport(t *testing.T) {
 		t.Fatalf("https target behind versions h2c: %d %q, want 200 \"app.test over HTTP/1.1\"", code, body)
 	}
 }
+
+// TestTCPRouteTakesForceHTTP1: a tcp:// route reached by host, whose
+// upstream speaks HTTP/1.1 only, is spoken to over HTTP/1.1 with
+// force_http1 even where the site's transport speaks h2c, and its Host is
+// rewritten with rewrite_host.
+func TestTCPRouteTakesForceHTTP1(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "%s over %s", r.Host, r.Proto)
+	}))
+	t.Cleanup(up.Close)
+	c := startCaddyWith(t, caddyOptions{NoRedirects: true}, grpcSite)
+	startAgent(t, c.serverURL(), "agent-tcp-h1", agent.Upstream{
+		Host: "app.test", Target: "tcp://" + up.Listener.Addr().String(), ForceHTTP1: true, RewriteHost: "legacy.internal",
+	})
+	if code, body := get(t, c, "app.test", "/"); code != 200 || body != "legacy.internal over HTTP/1.1" {
+		t.Fatalf("got %d %q, want 200 from the HTTP/1.1 upstream with the rewritten host", code, body)
+	}
+}
