@@ -461,9 +461,11 @@ wait:
 // TCP relay is still running, ends as soon as the relay ends, and the agent
 // reconnects when Caddy is back.
 func TestDrainOnShutdown(t *testing.T) {
-	const grace = 3 * time.Second
+	// Long enough for the checks made during the drain on a loaded
+	// machine; the test ends as soon as the relay does.
+	const grace = 10 * time.Second
 	port := freePort(t)
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("\t\tdrain_grace 3s\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", port, port)}, siteAll)
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("\t\tdrain_grace 10s\n\t\ttcp_port_range %d-%d\n\t\ttcp_bind 127.0.0.1", port, port)}, siteAll)
 	up := startUpstream(t, "app")
 	echo := limEchoServer(t)
 	a, logs := launchAgentObserved(t, c.serverURL(), "agent-a",

@@ -255,7 +255,10 @@ func TestStallWatchdogFailsNonReadingAgent(t *testing.T) {
 // frames, Connects, WindowUpdate{blocked}s and request heads, in front of
 // it). Without either, the watchdog cuts this reader in some runs.
 func TestStallWatchdogSparesSlowReader(t *testing.T) {
-	c := startCaddyWith(t, caddyOptions{Sluice: stallSluice}, stallSite)
+	// A stall timeout of 1 s against a reader taking a frame every 20 ms:
+	// 50 times its pace, so a scheduling hiccup on a loaded machine is no
+	// stall, and still well inside the run's 2 s and more.
+	c := startCaddyWith(t, caddyOptions{Sluice: "\t\ttunnel_stall_timeout 1s\n\t\tdrain_grace 1s"}, stallSite)
 	ag := stallConnect(t, stallDial(t, c), "slow-agent")
 
 	var dataFrames, dataBytes atomic.Int64

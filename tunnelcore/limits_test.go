@@ -38,13 +38,15 @@ func TestStallWatchdogCutsAPeerThatStopsReading(t *testing.T) {
 func TestStallWatchdogSparesASlowReader(t *testing.T) {
 	a, b := Pipe(2)
 	t.Cleanup(func() { a.Close(nil); b.Close(nil) })
-	node, _ := NewSession(a, Config{Role: RoleNode, StallTimeout: 500 * time.Millisecond})
+	// A stall timeout 20 times the reader's pace (a scheduling hiccup on
+	// a loaded machine is no stall), over a run three times as long.
+	node, _ := NewSession(a, Config{Role: RoleNode, StallTimeout: time.Second})
 	defer node.Close()
 	stop := make(chan struct{})
 	defer close(stop)
 	// A raw peer that takes one frame every 50 ms and grants credit back:
-	// the Connect frame and twenty 1 KiB DATA frames, each taken slowly.
-	const frames = 21
+	// the Connect frame and sixty 1 KiB DATA frames, each taken slowly.
+	const frames = 61
 	took := slowPeer(b, 50*time.Millisecond, frames, stop)
 	c, _ := node.Open(ConnectInfo{})
 	go func() {
