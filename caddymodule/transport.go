@@ -321,11 +321,7 @@ func refusedAtAgentLimit(err error) bool {
 // request, which the upstream never saw, is answered 503 with Retry-After
 // (serveWithPolicy).
 func (t *Transport) agentLimited(req *http.Request) {
-	remote := req.RemoteAddr
-	if r, ok := req.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
-		remote = r.RemoteAddr
-	}
-	t.app.node.logLimit("http", agentConnLimit, remote)
+	t.app.node.logLimit("http", agentConnLimit, clientRemote(req))
 	t.app.node.closeIdleConns()
 	markLimited(req.Context(), &agentConnLimit)
 }
@@ -445,15 +441,20 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 // address from the dial info, not from the key. Escaped, because HTTP/2
 // transports parse the key as an address.
 func perClient(req *http.Request) *http.Request {
-	client := req.RemoteAddr
-	if r, ok := req.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
-		client = r.RemoteAddr
-	}
 	r2 := *req
 	u := *req.URL
-	u.Host = url.QueryEscape(client + "->" + u.Host)
+	u.Host = url.QueryEscape(clientRemote(req) + "->" + u.Host)
 	r2.URL = &u
 	return &r2
+}
+
+// clientRemote is the address of the client whose request req proxies
+// (the original request's, which reverse_proxy keeps).
+func clientRemote(req *http.Request) string {
+	if r, ok := req.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok {
+		return r.RemoteAddr
+	}
+	return req.RemoteAddr
 }
 
 // unavailable makes err a retryable 503 for reverse_proxy.
