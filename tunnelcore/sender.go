@@ -507,7 +507,7 @@ func (q *sender) loop() {
 			if q.batch == nil || q.ended() {
 				return
 			}
-			if !wait && !yielded && q.batch.Holding() {
+			if !wait && !yielded && q.batch.Holding() && !q.marked() {
 				// Nothing queued, a few small frames held: let the
 				// goroutines that are about to queue run first, as
 				// gRPC's writer does before it flushes, so that their
@@ -559,6 +559,16 @@ func (q *sender) ended() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.closed || q.s.isDone()
+}
+
+// marked reports whether a Flush mark waits for the next flush: next
+// returned for it, and a yield would let more frames come before the
+// flush, which under load might never come (Flush would wait out its
+// context).
+func (q *sender) marked() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.marks) > 0
 }
 
 // flushStream flushes a batching stream and closes the Flush marks it

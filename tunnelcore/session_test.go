@@ -668,3 +668,67 @@ func TestClientBytesThatAreNotUTF8FailNothing(t *testing.T) {
 		}
 	})
 }
+
+// gatedBatchStream is a batching stream whose DATA Sends each wait for a
+// token on gate, and which holds control frames until Flush.
+type gatedBatchStream struct {
+	gate, closed chan struct{}
+	once         sync.Once
+	held         atomic.Int64
+	dataWaiting  atomic.Int64
+}
+
+func (g *gatedBatchStream) Send(e *tunnelpb.Envelope) error {
+	if e.IsData() {
+		g.dataWaiting.Add(1)
+		defer g.dataWaiting.Add(-1)
+		select {
+		case <-g.gate:
+		case <-g.closed:
+			return io.EOF
+		}
+	} else {
+		g.held.Add(1)
+	}
+	e.Payload.Free()
+	return nil
+}
+func (g *gatedBatchStream) Recv(*tunnelpb.Envelope) error { <-g.closed; return io.EOF }
+func (g *gatedBatchStream) Close(error)                   { g.once.Do(func() { close(g.closed) }) }
+func (g *gatedBatchStream) Flush() error                  { g.held.Store(0); return nil }
+func (g *gatedBatchStream) Holding() bool                 { return g.held.Load() > 0 }
+
+// TestFlushUnderLoadReturns: Flush on a batching stream (a lane) returns
+// once what was queued before it is written, also while connections keep
+// DATA queued, so that the sender never finds its queues empty.
+func TestFlushUnderLoadReturns(t *testing.T) {
+	g := &gatedBatchStream{gate: make(chan struct{}, 8), closed: make(chan struct{})}
+	s, err := NewSession(g, Config{Role: RoleNode, PeerWindow: 1 << 20, MaxFrameSize: 16 << 10, SendQueue: 256 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	c, err := s.Open(ConnectInfo{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go c.Write(make([]byte, 8*(16<<10))) // eight DATA frames queued
+	eventually(t, 5*time.Second, "the sender in the first DATA's Send", func() bool { return g.dataWaiting.Load() == 1 })
+
+	s.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: "n1"}}})
+	flushed := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		flushed <- s.Flush(ctx)
+	}()
+	eventually(t, 5*time.Second, "the control frame and the Flush queued", func() bool {
+		s.sender.mu.Lock()
+		defer s.sender.mu.Unlock()
+		return s.sender.ctrl.len() == 2
+	})
+	g.gate <- struct{}{} // the first DATA leaves; the sender goes on to the control frame, the mark, more DATA
+	if err := <-flushed; err != nil {
+		t.Fatalf("Flush under load: %v", err)
+	}
+}
