@@ -344,6 +344,13 @@ func TestRejectedRouteReadvertised(t *testing.T) {
 // returns its address.
 func echoUpstream(t testing.TB) string {
 	t.Helper()
+	return serveUpstream(t, func(c net.Conn) { io.Copy(c, c); c.Close() })
+}
+
+// serveUpstream accepts TCP connections on loopback until the test ends,
+// each served by handle in a goroutine of its own, and returns the address.
+func serveUpstream(t testing.TB, handle func(net.Conn)) string {
+	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -355,7 +362,7 @@ func echoUpstream(t testing.TB) string {
 			if err != nil {
 				return
 			}
-			go func() { io.Copy(c, c); c.Close() }()
+			go handle(c)
 		}
 	}()
 	return l.Addr().String()
@@ -670,28 +677,10 @@ func TestBurstOfAcksEndsInTheLastState(t *testing.T) {
 // session ends is given up, so its max_connections slot serves the next
 // session at once instead of after the dial timeout.
 func TestDialEndsWithItsSession(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	held := make(chan net.Conn, 16)
-	defer func() {
-		for len(held) > 0 {
-			(<-held).Close()
-		}
-	}()
-	go func() { // accepts TCP and never answers the TLS handshake
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			held <- c
-		}
-	}()
+	// Accepts TCP and never answers the TLS handshake.
+	up := serveUpstream(t, func(c net.Conn) { <-t.Context().Done(); c.Close() })
 	node := newFakeNode(t, "secret", nodeOptions{})
-	cfg := testConfig(node.addr, "secret", Upstream{Name: "web", Target: "https://" + ln.Addr().String()})
+	cfg := testConfig(node.addr, "secret", Upstream{Name: "web", Target: "https://" + up})
 	cfg.MaxConnections = 1
 	ag := startAgent(t, cfg)
 	ns := node.next(t)
@@ -713,26 +702,13 @@ func TestDialEndsWithItsSession(t *testing.T) {
 // the answer; through the agent it must too, not only the reset.
 func TestEarlyAnswerBeforeAResetIsDelivered(t *testing.T) {
 	const answer = "HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { // reads the request line, answers, closes with the body unread
-				bufio.NewReader(c).ReadString('\n')
-				c.Write([]byte(answer))
-				c.Close()
-			}()
-		}
-	}()
+	up := serveUpstream(t, func(c net.Conn) { // reads the request line, answers, closes with the body unread
+		bufio.NewReader(c).ReadString('\n')
+		c.Write([]byte(answer))
+		c.Close()
+	})
 	node := newFakeNode(t, "secret", nodeOptions{})
-	startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "up", Host: "app.test", Target: "http://" + ln.Addr().String()}))
+	startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "up", Host: "app.test", Target: "http://" + up}))
 	ns := node.next(t)
 	body := bytes.Repeat([]byte("x"), 4<<20)
 	for i := range 20 {

@@ -317,7 +317,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		progress = tunnelcore.ProgressOf(p.AuthInfo)
 	}
 	if n.draining.Load() {
-		return status.Error(codes.Unavailable, "node is draining")
+		return status.Error(codes.Unavailable, errDrainingNode.Error())
 	}
 	token, err := n.authorize(ctx)
 	if err != nil {

@@ -170,17 +170,25 @@ type exchange struct {
 	bytesOut atomic.Int64
 	bytesIn  atomic.Int64
 
-	// limitedBy names the connection limit that refused this exchange's
-	// connection, set by the transport: the node's max_connections (no
-	// free slot) or the agent's.
-	limitedBy atomic.Pointer[string]
+	// limitedBy is the connection limit that refused this exchange's
+	// connection (a connLimit), set by the transport; 0 if none did.
+	limitedBy atomic.Uint32
 }
 
-// Names of the connection limits an exchange can be refused by.
-var (
-	nodeConnLimit  = "max_connections"
-	agentConnLimit = "the agent's max_connections"
+// connLimit is a connection limit an exchange can be refused by.
+type connLimit uint32
+
+const (
+	nodeConnLimit  connLimit = iota + 1 // the node's max_connections: no free slot
+	agentConnLimit                      // the agent's max_connections
 )
+
+func (l connLimit) String() string {
+	if l == agentConnLimit {
+		return "the agent's max_connections"
+	}
+	return "max_connections"
+}
 
 // exchangeKey carries the *exchange in the request context down to the
 // transport's dial (net/http keeps the request's context values for it).
@@ -318,11 +326,11 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	x.mu.Lock()
 	committed := x.committed
 	x.mu.Unlock()
-	if limit := x.limitedBy.Load(); limit != nil && !committed {
+	if limit := connLimit(x.limitedBy.Load()); limit != 0 && !committed {
 		// The dial found every connection slot taken, or the agent
 		// refused the connection at its limit (the transport counted and
 		// logged it): answer 503 with Retry-After.
-		answerLimited(w, *limit)
+		answerLimited(w, limit.String())
 		return nil
 	}
 	switch {

@@ -321,15 +321,15 @@ func refusedAtAgentLimit(err error) bool {
 // request, which the upstream never saw, is answered 503 with Retry-After
 // (serveWithPolicy).
 func (t *Transport) agentLimited(req *http.Request) {
-	t.app.node.logLimit("http", agentConnLimit, clientRemote(req))
+	t.app.node.logLimit("http", agentConnLimit.String(), clientRemote(req))
 	t.app.node.closeIdleConns()
-	markLimited(req.Context(), &agentConnLimit)
+	markLimited(req.Context(), agentConnLimit)
 }
 
 // markLimited records on the request's exchange the limit that refused it.
-func markLimited(ctx context.Context, limit *string) {
+func markLimited(ctx context.Context, limit connLimit) {
 	if x, ok := ctx.Value(exchangeKey{}).(*exchange); ok {
-		x.limitedBy.Store(limit)
+		x.limitedBy.Store(uint32(limit))
 	}
 }
 
@@ -424,8 +424,8 @@ func (t *Transport) dial(ctx context.Context, network, addr string) (net.Conn, e
 	}
 	conn, err := t.app.node.open(ctx, e.agent, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
-		t.app.node.logLimit("http", nodeConnLimit, info.RemoteAddr)
-		markLimited(ctx, &nodeConnLimit)
+		t.app.node.logLimit("http", nodeConnLimit.String(), info.RemoteAddr)
+		markLimited(ctx, nodeConnLimit)
 	}
 	if err != nil {
 		return nil, unavailable(fmt.Errorf("sluice: agent %s: %w", e.agent.agentID, err))
