@@ -82,6 +82,14 @@ type Config struct {
 	// itself; this setting spares that attempt. An HTTPS_PROXY that applies
 	// to the server turns the lane off as well.
 	DisableDataLane bool `yaml:"disable_data_lane"`
+	// DisableDirectSockets keeps every connection on the session's data
+	// lane. By default a connection that carried 1 MiB moves to a socket
+	// of its own to the node (proto/README §2.5): its bytes then cross no
+	// multiplexing at either end, and the agent moves them between the
+	// upstream and the node inside the kernel. The cost is one more
+	// socket per bulk connection at both ends. Without a data lane there
+	// are no direct sockets either.
+	DisableDirectSockets bool `yaml:"disable_direct_sockets"`
 
 	serverTLS  bool   // parsed Server: grpcs
 	serverAddr string // parsed Server: host:port
@@ -416,6 +424,7 @@ const (
 	EnvTunnelBudget   = "SLUICE_TUNNEL_BUDGET"
 	EnvShutdownGrace  = "SLUICE_SHUTDOWN_GRACE"
 	EnvDisableLane    = "SLUICE_DISABLE_DATA_LANE"
+	EnvDisableDirect  = "SLUICE_DISABLE_DIRECT_SOCKETS"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -478,6 +487,9 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 	}
 	if b := envBool(EnvDisableLane); b != nil {
 		c.DisableDataLane = *b
+	}
+	if b := envBool(EnvDisableDirect); b != nil {
+		c.DisableDirectSockets = *b
 	}
 	if v := getenv(EnvUpstreams); v != "" {
 		k := 0

@@ -92,6 +92,9 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 	if set["disable-data-lane"] {
 		c.DisableDataLane = v.disableLane
 	}
+	if set["disable-direct-sockets"] {
+		c.DisableDirectSockets = v.disableDirect
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
@@ -116,7 +119,7 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 
 type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
-	insecure, version, disableLane                         bool
+	insecure, version, disableLane, disableDirect          bool
 	maxConns                                               int
 	tunnelBudget                                           int64
 	shutdownGrace                                          time.Duration
@@ -140,6 +143,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
 	fs.DurationVar(&v.shutdownGrace, "shutdown-grace", 0, "on SIGINT/SIGTERM, how long open connections may finish; a second signal cuts them; 0 = "+DefaultShutdownGrace.String()+" ($"+EnvShutdownGrace+")")
 	fs.BoolVar(&v.disableLane, "disable-data-lane", false, "keep sessions on the gRPC stream: no second connection for the data lane ($"+EnvDisableLane+")")
+	fs.BoolVar(&v.disableDirect, "disable-direct-sockets", false, "keep every connection on the data lane: no socket of its own for a bulk connection ($"+EnvDisableDirect+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	// Listed here so that -h shows it among the flags; ParseFlags answers
 	// it with ErrVersion.

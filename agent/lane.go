@@ -45,29 +45,48 @@ const (
 // session runs on the data lane.
 var errFrameBesideLane = errors.New("node sent a frame on the gRPC stream while the session runs on the data lane")
 
-// sessionFrames returns what the session runs on, its stall watchdog's
-// progress reader, and whether it is a data lane. rs is the Connect
+// sessionTransport is what a session runs on.
+type sessionTransport struct {
+	frames   tunnelcore.FrameStream
+	progress func() uint64 // the stall watchdog's progress reader
+	onLane   bool          // frames is a data lane
+	// directDial opens a connection's direct socket (proto/README §2.5);
+	// nil when the node offered none or the session is not on a lane.
+	directDial func(ctx context.Context, id uint64) (net.Conn, error)
+}
+
+// sessionFrames returns what the session runs on. rs is the Connect
 // stream; cancel ends it.
-func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel func(), hostport string) (tunnelcore.FrameStream, func() uint64, bool) {
-	grpcFrames, progress := tunnelcore.GRPCStream(rs, cancel), streamProgress(rs)
+func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel func(), hostport string) sessionTransport {
+	onGRPC := sessionTransport{frames: tunnelcore.GRPCStream(rs, cancel), progress: streamProgress(rs)}
 	if a.cfg.DisableDataLane || behindProxy(hostport) || time.Now().UnixNano() < a.laneRetryAt.Load() {
-		return grpcFrames, progress, false
+		return onGRPC
 	}
-	ticket := a.laneTicket(rs)
-	if ticket == "" {
-		return grpcFrames, progress, false
+	offer := a.laneOffer(rs)
+	if offer.ticket == "" {
+		return onGRPC
 	}
-	conn, err := a.dialLane(ctx, laneAddr(rs, hostport), hostport, ticket)
+	addr := laneAddr(rs, hostport)
+	conn, err := a.dialLane(ctx, addr, hostport, tunnelpb.LaneHello(offer.ticket))
 	if err != nil {
 		if ctx.Err() == nil {
 			a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
 			a.log.Warn("data lane unavailable; sessions run on the gRPC stream (disable_data_lane spares the attempt)",
 				zap.String("server", a.cfg.Server), zap.Duration("retry_after", laneRetryAfter), zap.Error(err))
 		}
-		return grpcFrames, progress, false
+		return onGRPC
 	}
-	lane := tunnelcore.ConnStream(conn)
-	return &agentLane{LaneStream: lane, endGRPC: cancel}, tunnelcore.ConnProgress(conn), true
+	t := sessionTransport{
+		frames:   &agentLane{LaneStream: tunnelcore.ConnStream(conn), endGRPC: cancel},
+		progress: tunnelcore.ConnProgress(conn),
+		onLane:   true,
+	}
+	if offer.directKey != "" && !a.cfg.DisableDirectSockets {
+		t.directDial = func(ctx context.Context, id uint64) (net.Conn, error) {
+			return a.dialLane(ctx, addr, hostport, tunnelpb.DirectHello(offer.directKey, id))
+		}
+	}
+	return t
 }
 
 // agentLane is the agent's session stream on a lane. When the node ended
@@ -87,35 +106,41 @@ func (l *agentLane) Close(cause error) {
 	}
 }
 
-// laneTicket waits for the Connect stream's response header (a node sends
-// it as soon as it authorised the stream) and returns the lane ticket it
-// offers, or "" (none offered, or the stream failed: the session reports
+// laneOffer is what a node's response header offers: a lane ticket, and
+// the session's key for direct sockets.
+type laneOffer struct{ ticket, directKey string }
+
+// laneOffer waits for the Connect stream's response header (a node sends
+// it as soon as it authorised the stream) and returns what it offers: no
+// ticket when none was offered or the stream failed (the session reports
 // why). The wait is bounded by laneHeaderWait.
-func (a *Agent) laneTicket(st grpc.ClientStream) string {
-	type header struct{ ticket string }
-	ch := make(chan header, 1)
+func (a *Agent) laneOffer(st grpc.ClientStream) laneOffer {
+	ch := make(chan laneOffer, 1)
 	go func() {
 		md, err := st.Header()
 		if err != nil {
-			ch <- header{}
+			ch <- laneOffer{}
 			return
 		}
-		var h header
+		var o laneOffer
 		if v := md.Get(tunnelpb.LaneHeader); len(v) == 1 && len(v[0]) == tunnelpb.LaneTicketLength {
-			h.ticket = v[0]
+			o.ticket = v[0]
 		}
-		ch <- h
+		if v := md.Get(tunnelpb.DirectHeader); len(v) == 1 && len(v[0]) == tunnelpb.DirectKeyLength {
+			o.directKey = v[0]
+		}
+		ch <- o
 	}()
 	t := time.NewTimer(min(a.ackTimeout, laneHeaderWait))
 	defer t.Stop()
 	select {
-	case h := <-ch:
-		return h.ticket
+	case o := <-ch:
+		return o
 	case <-t.C:
 		// A node that sends no header before the Advertise offers no
 		// lane: spare the wait for a while (laneRetryAfter).
 		a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
-		return ""
+		return laneOffer{}
 	}
 }
 
@@ -132,10 +157,10 @@ func laneAddr(st grpc.ClientStream, hostport string) string {
 	return hostport
 }
 
-// dialLane opens a lane to addr with the agent's transport credentials
-// (verifying the node as hostport, as the gRPC connection does) and
-// presents ticket.
-func (a *Agent) dialLane(ctx context.Context, addr, hostport, ticket string) (net.Conn, error) {
+// dialLane opens a lane, or a direct socket, to addr with the agent's
+// transport credentials (verifying the node as hostport, as the gRPC
+// connection does) and presents hello.
+func (a *Agent) dialLane(ctx context.Context, addr, hostport string, hello []byte) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, laneDialTimeout)
 	defer cancel()
 	// TCP keepalive stands in for the stream's HTTP/2 pings: it keeps an
@@ -150,26 +175,27 @@ func (a *Agent) dialLane(ctx context.Context, addr, hostport, ticket string) (ne
 		raw.Close()
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
-	if err := presentTicket(ctx, conn, ticket); err != nil {
+	if err := presentHello(ctx, conn, hello); err != nil {
 		conn.Close()
 		return nil, err
 	}
 	return tunnelcore.OverSocket(conn, raw), nil
 }
 
-// presentTicket writes the lane preface and reads the node's answer.
-func presentTicket(ctx context.Context, conn net.Conn, ticket string) error {
+// presentHello writes a lane's or direct socket's preface and reads the
+// node's answer.
+func presentHello(ctx context.Context, conn net.Conn, hello []byte) error {
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
 	defer stop()
-	if _, err := conn.Write(tunnelpb.LaneHello(ticket)); err != nil {
-		return fmt.Errorf("sending the ticket: %w", err)
+	if _, err := conn.Write(hello); err != nil {
+		return fmt.Errorf("sending the preface: %w", err)
 	}
 	var answer [1]byte
 	if _, err := io.ReadFull(conn, answer[:]); err != nil {
-		return fmt.Errorf("the node did not take the lane: %w", err)
+		return fmt.Errorf("the node did not take the connection: %w", err)
 	}
 	if answer[0] != tunnelpb.LaneAccepted {
-		return fmt.Errorf("the node did not take the lane (answered %#x)", answer[0])
+		return fmt.Errorf("the node did not take the connection (answered %#x)", answer[0])
 	}
 	if !stop() {
 		return ctx.Err()

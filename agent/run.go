@@ -637,7 +637,8 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		return sessionResult{err: err}
 	}
 	rs := &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
-	frames, progress, onLane := a.sessionFrames(sctx, rs, cancel, hostport)
+	tr := a.sessionFrames(sctx, rs, cancel, hostport)
+	frames := tr.frames
 
 	acks := newLatestAck()
 	var drained atomic.Bool
@@ -665,18 +666,19 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		}
 	}
 	sess, err := tunnelcore.NewSession(frames, tunnelcore.Config{
-		Role:      tunnelcore.RoleAgent,
-		OnControl: onControl,
-		Budget:    a.budget,
-		Progress:  progress,
-		Logger:    a.log,
+		Role:       tunnelcore.RoleAgent,
+		OnControl:  onControl,
+		Budget:     a.budget,
+		Progress:   tr.progress,
+		DirectDial: tr.directDial,
+		Logger:     a.log,
 	})
 	if err != nil {
 		frames.Close(err)
 		cancel()
 		return sessionResult{err: err}
 	}
-	if onLane {
+	if tr.onLane {
 		go watchGRPCBesideLane(sess, rs)
 	}
 	a.current.Store(sess)
@@ -740,8 +742,9 @@ func (a *Agent) session(ctx context.Context) (res sessionResult) {
 		zap.String("server", a.cfg.Server),
 		zap.String("node_id", ack.GetNodeId()),
 		zap.Strings("routes", routes.update(a.log, ack)),
-		zap.Bool("data_lane", onLane),
-		zap.Bool("stall_progress", progress != nil)) // see tunnelcore.Config.Progress
+		zap.Bool("data_lane", tr.onLane),
+		zap.Bool("direct_sockets", tr.directDial != nil),
+		zap.Bool("stall_progress", tr.progress != nil)) // see tunnelcore.Config.Progress
 	a.markConnected(ack.GetNodeId())
 
 	// Serve. The upstream dials are bounded by sctx, which ends with this

@@ -148,6 +148,14 @@ type App struct {
 	// load balancer): the agents would fall back each time anyway.
 	DisableDataLane bool `json:"disable_data_lane,omitempty"`
 
+	// DisableDirectSockets stops offering agents direct sockets: with a
+	// data lane, a connection that carried 1 MiB moves to a socket of its
+	// own from the agent to the control address, which Caddy reads
+	// straight into its buffers instead of out of the lane's
+	// (proto/README §2.5). Each bulk connection then holds one more file
+	// descriptor at both ends. Without a data lane there are none either.
+	DisableDirectSockets bool `json:"disable_direct_sockets,omitempty"`
+
 	token     string
 	cert      *tls.Certificate // the control plane's certificate; nil: plaintext
 	portRange portRange
@@ -393,6 +401,7 @@ func (a *App) Start() error {
 		tcpBind:             a.TCPBind,
 		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
 		noDataLane:          a.DisableDataLane,
+		noDirectSockets:     a.DisableDirectSockets,
 	}
 	a.prev.opts = a.node.opts.Swap(a.applied)
 	a.node.applyPortOptions(a.prev.opts, a.applied)

@@ -47,6 +47,7 @@ func init() {
 //	    drain_grace                 <duration>
 //
 //	    data_lane off                  # keep agents on the gRPC stream (proto/README §2.4)
+//	    direct_sockets off             # keep bulk connections on the lane (proto/README §2.5)
 //	}
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -129,6 +130,18 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 					a.DisableDataLane = true
 				default:
 					err = d.Errf("sluice: data_lane: want on or off, got %q", v)
+				}
+			}
+		case "direct_sockets":
+			var v string
+			if err = singleArg(d, &v); err == nil {
+				switch v {
+				case "on":
+					a.DisableDirectSockets = false
+				case "off":
+					a.DisableDirectSockets = true
+				default:
+					err = d.Errf("sluice: direct_sockets: want on or off, got %q", v)
 				}
 			}
 		default:

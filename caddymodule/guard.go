@@ -111,6 +111,19 @@ type guardedConn struct {
 	key     string
 	release func()
 	timer   *time.Timer
+	// direct: the connection left gRPC as a direct socket, whose deadlines
+	// are its virtual connection's: gRPC's SetDeadline, which clears its
+	// handshake deadline after the handshake returned, must not clear
+	// them.
+	direct atomic.Bool
+}
+
+// SetDeadline implements net.Conn (see direct).
+func (c *guardedConn) SetDeadline(t time.Time) error {
+	if c.direct.Load() {
+		return nil
+	}
+	return c.Conn.SetDeadline(t)
 }
 
 // forget takes c off the unproven connections; it reports whether c was

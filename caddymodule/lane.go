@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"crypto/rand"
+	"crypto/subtle"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -40,11 +41,7 @@ type laneTickets struct {
 // channel. withdraw forgets the ticket and closes a lane that arrived and
 // was not taken.
 func (t *laneTickets) offer() (ticket string, lanes <-chan net.Conn, withdraw func()) {
-	var b [tunnelpb.LaneTicketLength / 2]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		panic("sluice: crypto/rand: " + err.Error())
-	}
-	ticket = hex.EncodeToString(b[:])
+	ticket = randomHex(tunnelpb.LaneTicketLength)
 	ch := make(chan net.Conn, 1)
 	t.mu.Lock()
 	if t.m == nil {
@@ -79,13 +76,65 @@ func (t *laneTickets) claim(ticket string, conn net.Conn) bool {
 	return ok
 }
 
+// randomHex returns n random hex digits (n even).
+func randomHex(n int) string {
+	b := make([]byte, n/2)
+	if _, err := rand.Read(b); err != nil {
+		panic("sluice: crypto/rand: " + err.Error())
+	}
+	return hex.EncodeToString(b)
+}
+
+// directKeys maps the keys of sessions that take direct sockets
+// (proto/README §2.5) to their sessions.
+type directKeys struct {
+	mu sync.Mutex
+	m  map[string]*tunnelcore.Session
+}
+
+func (k *directKeys) register(key string, s *tunnelcore.Session) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.m == nil {
+		k.m = make(map[string]*tunnelcore.Session)
+	}
+	k.m[key] = s
+}
+
+func (k *directKeys) forget(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	delete(k.m, key)
+}
+
+// errDirectKey is a direct socket whose key names no session on this node.
+var errDirectKey = errors.New("direct socket key names no session")
+
+// attach hands conn to connection id of the session with key.
+func (k *directKeys) attach(key string, id uint64, conn net.Conn) error {
+	k.mu.Lock()
+	var s *tunnelcore.Session
+	for known, sess := range k.m {
+		// Compared in constant time, as the token is.
+		if subtle.ConstantTimeCompare([]byte(known), []byte(key)) == 1 {
+			s = sess
+		}
+	}
+	k.mu.Unlock()
+	if s == nil {
+		return errDirectKey
+	}
+	return s.AttachDirect(id, conn)
+}
+
 // laneCreds wraps the control plane's transport credentials: after the
 // handshake, a connection that starts with a lane preface is handed to the
 // ticket it presents and leaves gRPC (credentials.ErrConnDispatched).
 type laneCreds struct {
 	credentials.TransportCredentials
 	tickets *laneTickets
-	refused func(remote net.Addr, err error) // a lane preface that was not taken
+	direct  *directKeys
+	refused func(remote net.Addr, what string, err error) // a lane or direct socket that was not taken ("data lane", "direct socket")
 }
 
 // errLaneTicket is a lane preface whose ticket no Connect stream is
@@ -111,42 +160,63 @@ func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInf
 	// A lane: the guard lets it go (its ticket is checked next, within
 	// gRPC's handshake deadline), and the lane runs on the socket itself,
 	// which a plaintext lane writes with writev and splices into.
-	if g, ok := raw.(*guardedConn); ok {
+	guarded, _ := raw.(*guardedConn)
+	if g := guarded; g != nil {
 		g.prove()
 		if conn == raw {
 			conn = g.Conn
 		}
 		raw = g.Conn
 	}
-	if err := c.takeLane(tunnelcore.OverSocket(conn, raw)); err != nil {
+	if what, err := c.take(tunnelcore.OverSocket(conn, raw), guarded); err != nil {
 		conn.Close()
 		if c.refused != nil {
-			c.refused(raw.RemoteAddr(), err)
+			c.refused(raw.RemoteAddr(), what, err)
 		}
 	}
 	return nil, nil, credentials.ErrConnDispatched
 }
 
-// takeLane reads the rest of a lane preface and hands conn to its ticket.
-func (c *laneCreds) takeLane(conn net.Conn) error {
-	hello := make([]byte, tunnelpb.LaneHelloLength)
+// take reads the rest of a lane or direct socket preface and hands conn
+// to the ticket or the connection it names; what says which it was.
+func (c *laneCreds) take(conn net.Conn, guarded *guardedConn) (what string, err error) {
+	hello := make([]byte, max(tunnelpb.LaneHelloLength, tunnelpb.DirectHelloLength))
 	hello[0] = tunnelpb.LanePreface[0]
-	if _, err := io.ReadFull(conn, hello[1:]); err != nil {
-		return fmt.Errorf("reading the lane preface: %w", err)
-	}
 	prefix := len(tunnelpb.LanePreface)
+	const lane, direct = "data lane", "direct socket"
+	if _, err := io.ReadFull(conn, hello[1:prefix]); err != nil {
+		return lane, fmt.Errorf("reading the lane preface: %w", err)
+	}
+	if string(hello[:prefix]) == tunnelpb.DirectPreface {
+		hello = hello[:tunnelpb.DirectHelloLength]
+		if _, err := io.ReadFull(conn, hello[prefix:]); err != nil {
+			return direct, fmt.Errorf("reading the direct socket preface: %w", err)
+		}
+		key, id, err := tunnelpb.ParseDirectHello(hello)
+		if err != nil {
+			return direct, err
+		}
+		if guarded != nil {
+			guarded.direct.Store(true)
+		}
+		return direct, c.direct.attach(key, id, conn)
+	}
+	hello = hello[:tunnelpb.LaneHelloLength]
+	if _, err := io.ReadFull(conn, hello[prefix:]); err != nil {
+		return lane, fmt.Errorf("reading the lane preface: %w", err)
+	}
 	if string(hello[:prefix]) != tunnelpb.LanePreface || hello[len(hello)-1] != '\n' {
-		return errors.New("malformed lane preface")
+		return lane, errors.New("malformed lane preface")
 	}
 	if !c.tickets.claim(string(hello[prefix:len(hello)-1]), conn) {
-		return errLaneTicket
+		return lane, errLaneTicket
 	}
-	return nil
+	return lane, nil
 }
 
 // Clone implements credentials.TransportCredentials.
 func (c *laneCreds) Clone() credentials.TransportCredentials {
-	return &laneCreds{TransportCredentials: c.TransportCredentials.Clone(), tickets: c.tickets, refused: c.refused}
+	return &laneCreds{TransportCredentials: c.TransportCredentials.Clone(), tickets: c.tickets, direct: c.direct, refused: c.refused}
 }
 
 // peekedConn gives back the byte laneCreds read to tell a lane from gRPC.

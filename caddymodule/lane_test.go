@@ -87,7 +87,7 @@ func TestLaneCredsSplitLanesFromGRPC(t *testing.T) {
 	tickets := &laneTickets{}
 	var refused []error
 	c := &laneCreds{TransportCredentials: insecure.NewCredentials(), tickets: tickets,
-		refused: func(_ net.Addr, err error) { refused = append(refused, err) }}
+		direct: &directKeys{}, refused: func(_ net.Addr, _ string, err error) { refused = append(refused, err) }}
 
 	t.Run("gRPC gets every byte", func(t *testing.T) {
 		preface := "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

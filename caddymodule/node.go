@@ -54,6 +54,7 @@ type node struct {
 	reg      *registry
 	ports    *portManager
 	lanes    laneTickets
+	direct   directKeys
 	budget   *tunnelcore.Budget
 	slots    *tunnelcore.Slots
 
@@ -110,6 +111,7 @@ type nodeOptions struct {
 	tcpBind             string        // host the claimed ports bind on ("" = all)
 	verbatimIdleTimeout time.Duration // default idle bound of relayed TCP connections; 0 = off
 	noDataLane          bool          // offer agents no data lane (App.DisableDataLane)
+	noDirectSockets     bool          // offer agents no direct sockets (App.DisableDirectSockets)
 }
 
 // nodeKey identifies a node in the pool.
@@ -180,6 +182,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 	opts = append(opts, grpc.Creds(&laneCreds{
 		TransportCredentials: tunnelcore.ProgressCredentials(creds),
 		tickets:              &n.lanes,
+		direct:               &n.direct,
 		refused:              n.laneRefused,
 	}))
 	n.server = grpc.NewServer(opts...)
@@ -331,7 +334,7 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 		n.logStream("agent stream refused", remote, err)
 		return err
 	}
-	lanes, withdrawLane := n.offerLane(stream)
+	lanes, directKey, withdrawLane := n.offerLane(stream)
 	op, err := n.readAdvertise(stream, lanes)
 	withdrawLane()
 	releasePending()
@@ -402,6 +405,10 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	if op.lane != nil {
 		sessionRan = true
 		go endWithGRPCStream(sess, op.grpcRecv)
+		if directKey != "" {
+			n.direct.register(directKey, sess)
+			defer n.direct.forget(directKey)
+		}
 	}
 	a.sess = sess
 	a.advertised = adv.GetRoutes()
@@ -436,7 +443,8 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	if ok, suppressed := n.sessionLog.Allow(); ok {
 		n.log().Info("agent connected", zap.String("agent", a.agentID), zap.String("remote", remote),
 			zap.String("build", a.build), zap.Strings("routes", names(entries)), zap.Int("rejected", len(rejected)),
-			zap.Bool("data_lane", op.lane != nil), zap.Bool("stall_progress", progress != nil),
+			zap.Bool("data_lane", op.lane != nil), zap.Bool("direct_sockets", op.lane != nil && directKey != ""),
+			zap.Bool("stall_progress", progress != nil),
 			zap.Int("suppressed_since_last", suppressed))
 	}
 
@@ -472,22 +480,28 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 }
 
 // offerLane offers the stream a data lane (unless the node's data_lane is
-// off) in the response header, which it sends at once either way: an
-// agent waits for the header before it sends its Advertise. The lane that
-// claims the ticket arrives on lanes; withdraw gives the offer up.
-func (n *node) offerLane(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (lanes <-chan net.Conn, withdraw func()) {
+// off) and with it direct sockets (unless direct_sockets is off) in the
+// response header, which it sends at once either way: an agent waits for
+// the header before it sends its Advertise. The lane that claims the
+// ticket arrives on lanes; withdraw gives the offer up. directKey is the
+// key the session's direct sockets will present, once registered.
+func (n *node) offerLane(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (lanes <-chan net.Conn, directKey string, withdraw func()) {
 	md := metadata.MD{}
 	withdraw = func() {}
-	if !n.opts.Load().noDataLane {
+	if opts := n.opts.Load(); !opts.noDataLane {
 		var ticket string
 		ticket, lanes, withdraw = n.lanes.offer()
 		md.Set(tunnelpb.LaneHeader, ticket)
+		if !opts.noDirectSockets {
+			directKey = randomHex(tunnelpb.DirectKeyLength)
+			md.Set(tunnelpb.DirectHeader, directKey)
+		}
 	}
 	if err := stream.SendHeader(md); err != nil {
 		withdraw()
-		return nil, func() {}
+		return nil, "", func() {}
 	}
-	return lanes, withdraw
+	return lanes, directKey, withdraw
 }
 
 // laneLinger bounds how long a lane whose session ended waits for the
@@ -529,10 +543,12 @@ func endWithGRPCStream(sess *tunnelcore.Session, grpcRecv <-chan recvResult) {
 }
 
 // laneRefused logs a lane connection that presented no ticket the node is
-// waiting for (a lane that came too late, or not an agent).
-func (n *node) laneRefused(remote net.Addr, err error) {
+// waiting for (a lane that came too late, or not an agent), or a direct
+// socket whose key or connection the node does not have (what names
+// which).
+func (n *node) laneRefused(remote net.Addr, what string, err error) {
 	if ok, suppressed := n.streamLog.Allow(); ok {
-		n.log().Info("data lane refused", zap.Stringer("remote", remote), zap.Error(err),
+		n.log().Info(what+" refused", zap.Stringer("remote", remote), zap.Error(err),
 			zap.Int("suppressed_since_last", suppressed))
 	}
 }

@@ -600,7 +600,9 @@ func TestMemoryBoundedWithStalledPeers(t *testing.T) {
 	c := startCaddyWith(t, caddyOptions{Sluice: "\t\ttunnel_budget 4MiB"}, siteAll)
 	app := startUpstream(t, "app")
 	hold := startLimHoldUpstream(t)
-	a := startAgentWith(t, c.serverURL(), "agent-a", func(cfg *agent.Config) { cfg.TunnelBudget = 4 << 20 },
+	// On the lane: this is its accounting. A direct socket's stalled bytes
+	// wait in the kernel's socket buffers, which bound them instead.
+	a := startAgentWith(t, c.serverURL(), "agent-a", func(cfg *agent.Config) { cfg.TunnelBudget = 4 << 20; cfg.DisableDirectSockets = true },
 		agent.Upstream{Host: "dl.test", Target: app},
 		agent.Upstream{Host: "ul.test", Target: hold.url})
 	budget := c.mustStats(t).BudgetLimit

@@ -1,5 +1,11 @@
 package tunnelpb
 
+import (
+	"errors"
+	"fmt"
+	"strconv"
+)
+
 // The data lane (proto/README §2.4): after the node authorised a Connect
 // stream it may offer, in the stream's response header, a one-time ticket
 // for a second connection to the same control address that then carries
@@ -26,3 +32,44 @@ func LaneHello(ticket string) []byte {
 
 // LaneHelloLength is the length of LaneHello's bytes.
 const LaneHelloLength = len(LanePreface) + LaneTicketLength + 1
+
+// Direct sockets (proto/README §2.5): a node that offers a lane may also
+// give the session a key with which the agent opens, for one connection at a
+// time, a socket that carries that connection's bytes alone.
+const (
+	// DirectHeader is the response header metadata key of the session's
+	// direct key (as long as a lane ticket).
+	DirectHeader = "x-sluice-direct"
+	// DirectPreface starts a direct socket, followed by the session's key,
+	// the connection id in 16 hex digits and a newline. It is as long as
+	// LanePreface and starts like it, so a listener reads the same prefix.
+	DirectPreface = "SLUICE-CONN/1 "
+	// DirectKeyLength is the length of a direct key: 32 hex digits.
+	DirectKeyLength = 32
+)
+
+// DirectHello is what an agent writes first on a direct socket.
+func DirectHello(key string, connID uint64) []byte {
+	b := make([]byte, 0, DirectHelloLength)
+	b = append(b, DirectPreface...)
+	b = append(b, key...)
+	b = fmt.Appendf(b, "%016x\n", connID)
+	return b
+}
+
+// DirectHelloLength is the length of DirectHello's bytes.
+const DirectHelloLength = len(DirectPreface) + DirectKeyLength + 16 + 1
+
+// ParseDirectHello returns the key and connection id of a DirectHello.
+func ParseDirectHello(b []byte) (key string, connID uint64, err error) {
+	p := len(DirectPreface)
+	if len(b) != DirectHelloLength || string(b[:p]) != DirectPreface || b[len(b)-1] != '\n' {
+		return "", 0, errors.New("malformed direct socket preface")
+	}
+	key = string(b[p : p+DirectKeyLength])
+	connID, err = strconv.ParseUint(string(b[p+DirectKeyLength:len(b)-1]), 16, 64)
+	if err != nil || connID == 0 {
+		return "", 0, errors.New("malformed direct socket preface: bad connection id")
+	}
+	return key, connID, nil
+}

@@ -848,8 +848,11 @@ func (x *Data) GetPayload() []byte {
 // Close ends the sender's direction of a connection (a half-close: FIN).
 // The sender sends no further Data for conn_id; it may still receive.
 type Close struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	ConnId        uint64                 `protobuf:"varint,1,opt,name=conn_id,json=connId,proto3" json:"conn_id,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	ConnId uint64                 `protobuf:"varint,1,opt,name=conn_id,json=connId,proto3" json:"conn_id,omitempty"`
+	// The direction goes on, after the Data sent before this Close, on the
+	// connection's direct socket (proto/README §2.5) instead of ending.
+	Moved         bool `protobuf:"varint,2,opt,name=moved,proto3" json:"moved,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -889,6 +892,13 @@ func (x *Close) GetConnId() uint64 {
 		return x.ConnId
 	}
 	return 0
+}
+
+func (x *Close) GetMoved() bool {
+	if x != nil {
+		return x.Moved
+	}
+	return false
 }
 
 // Error aborts a connection in both directions (conn_id != 0), or reports a
@@ -1331,9 +1341,10 @@ const file_tunnel_proto_rawDesc = "" +
 	"local_addr\x18\x06 \x01(\tR\tlocalAddr\"9\n" +
 	"\x04Data\x12\x17\n" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x12\x18\n" +
-	"\apayload\x18\x02 \x01(\fR\apayload\" \n" +
+	"\apayload\x18\x02 \x01(\fR\apayload\"6\n" +
 	"\x05Close\x12\x17\n" +
-	"\aconn_id\x18\x01 \x01(\x04R\x06connId\"\x90\x02\n" +
+	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x12\x14\n" +
+	"\x05moved\x18\x02 \x01(\bR\x05moved\"\x90\x02\n" +
 	"\x05Error\x12\x17\n" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x120\n" +
 	"\x04code\x18\x02 \x01(\x0e2\x1c.sluice.tunnel.v1.Error.CodeR\x04code\x12\x18\n" +

@@ -1,7 +1,9 @@
 package tunnelcore
 
 import (
+	"context"
 	"fmt"
+	"net"
 	"time"
 
 	"go.uber.org/zap"
@@ -130,6 +132,17 @@ type Config struct {
 	// block. Nil drops them.
 	OnControl func(*tunnelpb.Frame)
 
+	// DirectDial, on the end that opens direct sockets (sluice's agent),
+	// opens a socket to the peer for connection id and returns it once the
+	// peer took it (proto/README §2.5, direct.go). It must give up when
+	// ctx ends. Nil: connections stay on the stream.
+	DirectDial func(ctx context.Context, id uint64) (net.Conn, error)
+
+	// DirectAbove is how many bytes a connection carries on the stream,
+	// both directions together, before DirectDial is tried for it (once).
+	// Default DefaultDirectAbove; at least 1.
+	DirectAbove int64
+
 	// Logger receives one line per notable event (a connection failed by
 	// the peer's misbehaviour, the session's end). Default zap.NewNop().
 	Logger *zap.Logger
@@ -175,6 +188,12 @@ func (c *Config) Validate() error {
 	}
 	if c.ReclaimAfter == 0 {
 		c.ReclaimAfter = DefaultReclaimAfter
+	}
+	if c.DirectAbove == 0 {
+		c.DirectAbove = DefaultDirectAbove
+	}
+	if c.DirectAbove < 0 {
+		return fmt.Errorf("tunnelcore: DirectAbove %d is negative", c.DirectAbove)
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()

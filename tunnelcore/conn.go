@@ -101,6 +101,17 @@ type Conn struct {
 	reclaiming  bool         // a reclaim request is outstanding (under mu)
 	reclaimed   bool         // reclaimed since the reader last took bytes: do not ask again (under mu)
 
+	// direct socket (direct.go)
+	directState atomic.Int32  // directNone, directDialing, directOn, directFailed
+	wlock       chan struct{} // held by Write and ReadFrom (lockWrites): one writer moves the direction
+	sock        net.Conn      // the direct socket, once attached (under mu)
+	wmoved      bool          // this end's writes go to sock (under mu)
+	wshut       bool          // CloseWrite half-closed sock (under mu)
+	rmoved      bool          // the peer's writes come on sock after the buffered bytes (under mu)
+	peerErr     error         // the peer's abort, for errors the socket reports after it (under mu)
+	rdlAt       time.Time     // the read deadline, for a socket attached later (under mu)
+	wdlAt       time.Time     // the write deadline, likewise (under mu)
+
 	// sender state, guarded by the sender's mutex
 	sq             fifo[*tunnelpb.Envelope]
 	inReady        bool
@@ -122,6 +133,7 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 		info:        info,
 		readNotify:  make(chan struct{}, 1),
 		writeNotify: make(chan struct{}, 1),
+		wlock:       make(chan struct{}, 1),
 		rdl:         makeDeadline(),
 		wdl:         makeDeadline(),
 		rwin:        newRecvWindow(InitialWindow),
@@ -172,7 +184,7 @@ func (c *Conn) releaseSlot() {
 func (c *Conn) shouldReclaim(now time.Time, after time.Duration) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.reclaiming || c.reclaimed || c.rwin.size <= InitialWindow || c.rerr != nil || c.readEOF || now.Sub(c.lastConsume) < after {
+	if c.reclaiming || c.reclaimed || c.rwin.size <= InitialWindow || c.rerr != nil || c.readEOF || c.rmoved || now.Sub(c.lastConsume) < after {
 		return false
 	}
 	c.reclaiming = true
@@ -212,6 +224,10 @@ func (c *Conn) Read(p []byte) (int, error) {
 			c.mu.Unlock()
 			c.grant(inc)
 			return n, nil
+		}
+		if c.rmoved && c.rerr == nil {
+			c.mu.Unlock()
+			return c.readDirect(p)
 		}
 		if err := c.readStateLocked(); err != nil {
 			c.mu.Unlock()
@@ -288,10 +304,10 @@ func (c *Conn) consumeTakenLocked(n int64) int64 {
 // tookLocked accounts n bytes the reader took, already off the buffered
 // counts, and returns the credit to grant.
 func (c *Conn) tookLocked(n int64) int64 {
-	c.bytesRead.Add(n)
+	c.countMoved(false, n)
 	c.lastConsume = time.Now()
 	c.reclaimed = false
-	if c.rerr != nil || c.readEOF {
+	if c.rerr != nil || c.readEOF || c.rmoved {
 		return 0
 	}
 	return c.rwin.consume(n, c.s.cfg.Budget, int64(c.s.cfg.MaxWindow))
@@ -310,6 +326,10 @@ func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 	var total int64
 	for {
 		bufs, err := c.takeBuffered()
+		if err == errReadMoved {
+			n, err := c.writeDirectTo(w)
+			return total + n, err
+		}
 		if err == io.EOF {
 			return total, nil
 		}
@@ -411,6 +431,10 @@ func (c *Conn) takeBuffered() ([]mem.Buffer, error) {
 			c.mu.Unlock()
 			return bufs, nil
 		}
+		if c.rmoved && c.rerr == nil {
+			c.mu.Unlock()
+			return nil, errReadMoved
+		}
 		if err := c.readStateLocked(); err != nil {
 			c.mu.Unlock()
 			notify(c.readNotify) // the next waiting reader ends too
@@ -462,10 +486,25 @@ func (c *Conn) takeBatchLocked() []mem.Buffer {
 // Write implements net.Conn. It returns once p is queued for the sender,
 // waiting for credit from the peer and room in the queue as needed.
 func (c *Conn) Write(p []byte) (int, error) {
+	if err := c.lockWrites(); err != nil {
+		return 0, err
+	}
+	defer c.unlockWrites()
 	total := 0
 	pool := bufferPool
 	for len(p) > 0 {
+		sock, err := c.writeSocket()
+		if err != nil {
+			return total, err
+		}
+		if sock != nil {
+			n, err := c.writeDirect(sock, p)
+			return total + n, err
+		}
 		n, err := c.reserve(len(p))
+		if err == errGoDirect {
+			continue
+		}
 		if err != nil {
 			return total, err
 		}
@@ -485,6 +524,10 @@ func (c *Conn) Write(p []byte) (int, error) {
 // From a TCP socket onto a plaintext lane, a connection whose reads show
 // bulk moves its payloads inside the kernel instead (see splice.go).
 func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
+	if err := c.lockWrites(); err != nil {
+		return 0, err
+	}
+	defer c.unlockWrites()
 	var src syscall.RawConn
 	if c.s.sender.splice != nil {
 		src = spliceSource(r)
@@ -492,12 +535,22 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	var total int64
 	bulk := false
 	for {
+		sock, err := c.writeSocket()
+		if err != nil {
+			return total, err
+		}
+		if sock != nil {
+			n, err := c.readFromDirect(sock, r)
+			return total + n, err
+		}
 		if bulk {
 			n, err := c.spliceFrom(src)
 			total += n
 			switch {
 			case err == io.EOF:
 				return total, nil
+			case err == errGoDirect:
+				continue
 			case err != errSpliceOff:
 				return total, err
 			}
@@ -506,6 +559,9 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 		}
 		m, err := c.readFrame(r)
 		total += int64(m)
+		if err == errGoDirect {
+			continue
+		}
 		if err != nil {
 			if err == io.EOF {
 				return total, nil
@@ -568,7 +624,7 @@ func (c *Conn) spliceFrom(src syscall.RawConn) (total int64, err error) {
 			return total, c.dataRefused(int64(m))
 		}
 		pipes.put(p, true)
-		c.bytesWritten.Add(int64(m))
+		c.countMoved(true, int64(m))
 		c.s.spliced.Add(int64(m))
 		total += int64(m)
 	}
@@ -582,6 +638,10 @@ func (c *Conn) reserve(want int) (int, error) {
 			return 0, timeoutError{}
 		}
 		c.mu.Lock()
+		if c.sock != nil && c.werr == nil && !c.wshut && (c.wmoved || !c.wclosed) {
+			c.mu.Unlock()
+			return 0, errGoDirect
+		}
 		if c.werr != nil || c.wclosed {
 			err := c.werr
 			if err == nil {
@@ -662,6 +722,17 @@ func (c *Conn) dataRefused(n int64) error {
 // already written, and may still send.
 func (c *Conn) CloseWrite() error {
 	c.mu.Lock()
+	if c.wmoved && c.werr == nil {
+		if c.wshut {
+			c.mu.Unlock()
+			return nil
+		}
+		c.wshut = true
+		sock := c.sock
+		c.mu.Unlock()
+		notify(c.writeNotify)
+		return c.socketErr(closeSocketWrite(sock), false)
+	}
 	if c.werr != nil && !c.wclosed {
 		err := c.werr
 		c.mu.Unlock()
@@ -699,7 +770,9 @@ func (c *Conn) Close() error {
 	c.readEOF = false // reads fail with ErrConnClosed from now on
 	c.dropBufferedLocked()
 	c.rwin.release(c.s.cfg.Budget)
+	sock := c.sock
 	c.mu.Unlock()
+	closeSocket(sock, false)
 
 	c.rdl.stop()
 	c.wdl.stop()
@@ -747,7 +820,9 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	c.readEOF = false
 	c.dropBufferedLocked()
 	hook := c.breakLocked()
+	sock := c.sock
 	c.mu.Unlock()
+	closeSocket(sock, true)
 	runHook(hook)
 	c.wake()
 	c.s.purge(c)
@@ -786,7 +861,7 @@ func (c *Conn) onData(payload mem.BufferSlice) {
 		payload.Free()
 		return
 	}
-	if c.readEOF {
+	if c.readEOF || c.rmoved {
 		c.mu.Unlock()
 		payload.Free()
 		if ok, suppressed := c.s.peerLog.Allow(); ok {
@@ -824,9 +899,13 @@ func (c *Conn) onPeerClose() {
 func (c *Conn) onPeerError(e *tunnelpb.Error) {
 	perr := &PeerError{Code: e.GetCode(), Message: e.GetMessage()}
 	c.mu.Lock()
-	if c.rerr == nil && !c.readEOF {
+	c.peerErr = perr
+	// A direction on the direct socket ends as the socket tells: the
+	// peer's FIN after its last bytes (its Close), or a reset (its abort).
+	if c.rerr == nil && !c.readEOF && !c.rmoved {
 		c.rerr = perr
 	}
+	shut := c.wmoved && !c.wshut && !c.closed
 	if c.werr == nil || c.werr == ErrConnClosed {
 		if !c.closed {
 			c.werr = perr
@@ -838,7 +917,12 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 	// find it to give the charge back.
 	c.rwin.release(c.s.cfg.Budget)
 	hook := c.breakLocked()
+	sock := c.sock
 	c.mu.Unlock()
+	if shut {
+		// The peer reads no more: a writer blocked on the socket returns.
+		closeSocketWrite(sock)
+	}
 	runHook(hook)
 	c.wake()
 	c.s.purge(c)
@@ -867,7 +951,7 @@ func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
 		c.rwin.reclaimed(int64(u.GetReleased()), c.s.cfg.Budget)
 		c.reclaiming = false
 		c.reclaimed = true
-		if c.rerr == nil && !c.readEOF {
+		if c.rerr == nil && !c.readEOF && !c.rmoved {
 			topUp = c.rwin.topUp()
 		}
 	}
@@ -892,7 +976,9 @@ func (c *Conn) onSessionEnd(err error) {
 	}
 	c.rwin.release(c.s.cfg.Budget)
 	hook := c.breakLocked()
+	sock := c.sock
 	c.mu.Unlock()
+	closeSocket(sock, true)
 	runHook(hook)
 	c.wake()
 }
@@ -948,10 +1034,18 @@ func runHook(f func()) {
 }
 
 // awaitSent waits, at most d, until every frame c queued has left the
-// sender (or c broke, which drops them).
+// sender (or c broke, which drops them) and, once its writes moved to a
+// direct socket, until the peer acknowledged every byte written there: an
+// abort resets the socket, which drops what is not.
 func (c *Conn) awaitSent(d time.Duration) {
 	deadline := time.Now().Add(d)
-	for c.queued.Load() > 0 && !c.isBroken() && time.Now().Before(deadline) {
+	c.mu.Lock()
+	var sock net.Conn
+	if c.wmoved {
+		sock = c.sock
+	}
+	c.mu.Unlock()
+	for (c.queued.Load() > 0 || (sock != nil && unacked(sock) > 0)) && !c.isBroken() && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond) // an error path's bounded wait: polling is enough
 	}
 }
@@ -985,16 +1079,35 @@ func (c *Conn) RemoteAddr() net.Addr {
 
 // SetDeadline implements net.Conn.
 func (c *Conn) SetDeadline(t time.Time) error {
-	c.rdl.set(t)
-	c.wdl.set(t)
-	return nil
+	c.SetReadDeadline(t)
+	return c.SetWriteDeadline(t)
 }
 
 // SetReadDeadline implements net.Conn.
-func (c *Conn) SetReadDeadline(t time.Time) error { c.rdl.set(t); return nil }
+func (c *Conn) SetReadDeadline(t time.Time) error {
+	c.rdl.set(t)
+	c.mu.Lock()
+	c.rdlAt = t
+	sock := c.sock
+	c.mu.Unlock()
+	if sock != nil {
+		sock.SetReadDeadline(t)
+	}
+	return nil
+}
 
 // SetWriteDeadline implements net.Conn.
-func (c *Conn) SetWriteDeadline(t time.Time) error { c.wdl.set(t); return nil }
+func (c *Conn) SetWriteDeadline(t time.Time) error {
+	c.wdl.set(t)
+	c.mu.Lock()
+	c.wdlAt = t
+	sock := c.sock
+	c.mu.Unlock()
+	if sock != nil {
+		sock.SetWriteDeadline(t)
+	}
+	return nil
+}
 
 // Addr is the net.Addr of a virtual connection.
 type Addr struct {

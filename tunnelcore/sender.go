@@ -355,7 +355,7 @@ func (s *Session) sendData(c *Conn, b mem.Buffer) error {
 	if !s.sender.enqueue(c, &tunnelpb.Envelope{ConnID: c.id, Payload: mem.BufferSlice{b}}, false) {
 		return c.dataRefused(n)
 	}
-	c.bytesWritten.Add(n)
+	c.countMoved(true, n)
 	return nil
 }
 

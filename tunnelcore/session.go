@@ -32,6 +32,7 @@ type Session struct {
 
 	buffered atomic.Int64 // bytes received and not yet read, all connections
 	spliced  atomic.Int64 // DATA bytes sent by splice (Stats.Spliced)
+	direct   atomic.Int64 // connections given a direct socket (Stats.Direct)
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -323,6 +324,8 @@ type Stats struct {
 	// Spliced is the DATA bytes sent so far that moved from a socket into
 	// the stream inside the kernel (splice.go).
 	Spliced int64
+	// Direct is the connections given a direct socket so far (direct.go).
+	Direct int64
 }
 
 // Stats returns what the session holds now.
@@ -334,7 +337,7 @@ func (s *Session) Stats() Stats {
 		queued += c.queued.Load()
 	}
 	s.mu.Unlock()
-	return Stats{Conns: n, Buffered: s.buffered.Load(), Queued: queued, Spliced: s.spliced.Load()}
+	return Stats{Conns: n, Buffered: s.buffered.Load(), Queued: queued, Spliced: s.spliced.Load(), Direct: s.direct.Load()}
 }
 
 // Conns returns the connections open on the session.
@@ -411,7 +414,11 @@ func (s *Session) dispatch(env *tunnelpb.Envelope) {
 		s.onConnect(k.Connect)
 	case *tunnelpb.Frame_Close:
 		if c := s.lookup(k.Close.GetConnId()); c != nil {
-			c.onPeerClose()
+			if k.Close.GetMoved() {
+				c.onPeerMoved()
+			} else {
+				c.onPeerClose()
+			}
 		}
 	case *tunnelpb.Frame_WindowUpdate:
 		if c := s.lookup(k.WindowUpdate.GetConnId()); c != nil {

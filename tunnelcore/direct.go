@@ -1,0 +1,409 @@
+package tunnelcore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+
+	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// Direct sockets (proto/README §2.5). A connection that carried
+// Config.DirectAbove bytes on the stream is given a socket of its own: the
+// end with a DirectDial (the agent) opens it, the other end takes it with
+// Session.AttachDirect, and then each end moves its direction at its next
+// write: it sends a Close with moved set behind the DATA already queued,
+// and writes everything after it to the socket. The reader takes the
+// stream's bytes up to that Close, then reads the socket.
+//
+// Why: every byte on the shared stream is copied out of the stream's
+// buffers into the reader's, after seven other connections' frames passed
+// through the cache, and each hand-off between the stream's reader and a
+// connection's reader is a wake-up. On a socket of its own, a connection is
+// read straight into the reader's buffer, and an agent moves it between
+// its upstream and the node inside the kernel (splice). The stream keeps
+// what it is good at: opening connections at no round trip, small
+// exchanges, flow control for many connections on one socket.
+//
+// What stays on the stream for a moved connection: its Error frames (an
+// abort, or a Close telling the peer to stop sending), and the session's
+// end, which ends the connection as before.
+
+// DefaultDirectAbove is Config.DirectAbove's default: a connection moves to
+// a socket of its own once it carried 1 MiB, which a page or an API call
+// rarely does and a download does within milliseconds.
+const DefaultDirectAbove = 1 << 20
+
+// directDialTimeout bounds opening a direct socket; the connection goes on
+// on the stream meanwhile, and for good if it fails.
+const directDialTimeout = 10 * time.Second
+
+// directLinger bounds how long a closed connection's socket is read and
+// dropped after its FIN before it is closed: closing a socket with bytes
+// unread resets the connection, which can discard what the peer has not
+// read yet of what this end sent.
+const directLinger = 2 * time.Second
+
+// socketChunk is what one copy to or from a direct socket moves before
+// Counts advances (SetWriteToBatch sets it smaller).
+const socketChunk = 256 << 10
+
+// The states of a connection's direct socket.
+const (
+	directNone    int32 = iota // not tried
+	directDialing              // DirectDial runs
+	directOn                   // attached
+	directFailed               // tried and failed: the connection stays on the stream
+)
+
+// ErrNotDirect is AttachDirect's error for a connection that cannot take a
+// direct socket: unknown, ending, or already given one.
+var ErrNotDirect = errors.New("connection cannot take a direct socket")
+
+// errGoDirect tells a writer waiting for credit that its writes go to the
+// direct socket from now on.
+var errGoDirect = errors.New("writes move to the direct socket")
+
+// errReadMoved tells a reader that the stream's bytes are read and the rest
+// comes from the direct socket.
+var errReadMoved = errors.New("reads moved to the direct socket")
+
+// AttachDirect gives connection id the socket the peer opened for it:
+// it answers tunnelpb.LaneAccepted on sock, and this end's writes go to
+// sock from its next write on. The caller closes sock on an error.
+func (s *Session) AttachDirect(id uint64, sock net.Conn) error {
+	c := s.lookup(id)
+	if c == nil {
+		return ErrNotDirect
+	}
+	return c.attach(sock, true)
+}
+
+// Direct reports whether c has a socket of its own.
+func (c *Conn) Direct() bool { return c.directState.Load() == directOn }
+
+// countMoved counts n bytes that crossed c and tries a direct socket once
+// the connection carried DirectAbove.
+func (c *Conn) countMoved(written bool, n int64) {
+	var total int64
+	if written {
+		total = c.bytesWritten.Add(n) + c.bytesRead.Load()
+	} else {
+		total = c.bytesRead.Add(n) + c.bytesWritten.Load()
+	}
+	if c.s.cfg.DirectDial == nil || total < c.s.cfg.DirectAbove || c.directState.Load() != directNone {
+		return
+	}
+	if c.directState.CompareAndSwap(directNone, directDialing) {
+		go c.goDirect()
+	}
+}
+
+// goDirect opens c's direct socket and attaches it.
+func (c *Conn) goDirect() {
+	ctx, cancel := context.WithTimeout(context.Background(), directDialTimeout)
+	defer cancel()
+	go func() {
+		select {
+		case <-c.s.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	sock, err := c.s.cfg.DirectDial(ctx, c.id)
+	if err == nil {
+		if err = c.attach(sock, false); err != nil {
+			sock.Close()
+		}
+	}
+	if err != nil {
+		c.directFailed(err)
+	}
+}
+
+// directFailed records that c stays on the stream. A peer that moved its
+// direction meanwhile took a socket this end never got: the connection
+// fails.
+func (c *Conn) directFailed(err error) {
+	c.mu.Lock()
+	c.directState.Store(directFailed)
+	stranded := c.rmoved && c.rerr == nil
+	c.mu.Unlock()
+	if c.s.cfg.Logger != nil && !errors.Is(err, ErrNotDirect) && c.s.Err() == nil {
+		if ok, suppressed := c.s.flowLog.Allow(); ok {
+			c.s.cfg.Logger.Debug("direct socket not opened; the connection stays on the stream",
+				zapConn(c.id), zap.Int("suppressed", suppressed), zap.Error(err))
+		}
+	}
+	if stranded {
+		c.fail(fmt.Errorf("direct socket: %w", err), tunnelpb.Error_INTERNAL, "direct socket failed")
+	}
+	notify(c.readNotify)
+}
+
+// attach makes sock c's direct socket. answer: this end is the one the
+// socket was opened to, and tells the opener it took it.
+func (c *Conn) attach(sock net.Conn, answer bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.sock != nil || c.closed || c.broken || c.rerr != nil || (c.readEOF && c.wclosed) {
+		return ErrNotDirect
+	}
+	if answer {
+		// Under mu: the answer must reach the socket before any byte this
+		// end moves there (a writer moves once sock is set). One byte to
+		// a fresh socket does not block.
+		sock.SetWriteDeadline(time.Now().Add(directDialTimeout))
+		if _, err := sock.Write([]byte{tunnelpb.LaneAccepted}); err != nil {
+			return fmt.Errorf("answering a direct socket: %w", err)
+		}
+	}
+	sock.SetReadDeadline(c.rdlAt)
+	sock.SetWriteDeadline(c.wdlAt)
+	c.sock = sock
+	c.directState.Store(directOn)
+	c.s.direct.Add(1)
+	notify(c.readNotify)
+	notify(c.writeNotify) // a writer waiting for credit moves instead
+	return nil
+}
+
+// lockWrites serialises Write and ReadFrom, as a TCP socket's writes are:
+// the writer that finds the direct socket attached moves the direction,
+// and no other writer's DATA may follow the Close that marks the move. A
+// writer waiting for another gives up at its deadline.
+func (c *Conn) lockWrites() error {
+	select {
+	case c.wlock <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case c.wlock <- struct{}{}:
+		return nil
+	case <-c.wdl.wait():
+		return timeoutError{}
+	}
+}
+
+func (c *Conn) unlockWrites() { <-c.wlock }
+
+// writeSocket returns c's direct socket if its writes go there, moving
+// them first if the socket came since the last write; nil: they go on the
+// stream.
+func (c *Conn) writeSocket() (net.Conn, error) {
+	c.mu.Lock()
+	if c.sock == nil || (c.wclosed && !c.wmoved) {
+		c.mu.Unlock()
+		return nil, nil
+	}
+	if c.werr != nil {
+		err := c.werr
+		c.mu.Unlock()
+		return nil, err
+	}
+	move := !c.wmoved
+	// The stream's side of the direction is done: reserve and CloseWrite
+	// take it as closed, Close sends no FIN for it.
+	c.wmoved, c.wclosed = true, true
+	sock := c.sock
+	c.mu.Unlock()
+	if move {
+		c.s.sender.enqueue(c, &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{
+			Close: &tunnelpb.Close{ConnId: c.id, Moved: true},
+		}}}, true)
+	}
+	return sock, nil
+}
+
+// writeDirect writes p to the direct socket.
+func (c *Conn) writeDirect(sock net.Conn, p []byte) (int, error) {
+	n, err := sock.Write(p)
+	c.countMoved(true, int64(n))
+	return n, c.socketErr(err, false)
+}
+
+// readFromDirect copies r to the direct socket until r's end.
+func (c *Conn) readFromDirect(sock net.Conn, r io.Reader) (int64, error) {
+	n, rerr, werr := copyCounted(sock, r, func(n int64) { c.countMoved(true, n) })
+	if werr != nil {
+		return n, c.socketErr(werr, false)
+	}
+	return n, rerr
+}
+
+// socketCopyBuffer is the buffer a copy to or from a direct socket holds
+// while it runs: a fixed part of what a moved connection holds outside
+// the budget (one per direction relayed).
+const socketCopyBuffer = 64 << 10
+
+// copyCounted copies src to dst until src's end, calling count with each
+// write's bytes, so that Counts shows a slow but steady stream moving (an
+// idle watcher polls it). It returns src's error and dst's apart. It does
+// not splice: on one host, a reader of spliced bytes got them as a chain
+// of page fragments, and reading those cost Caddy more than the copy
+// spared the agent (bench/README.md, "Direct sockets"); and a splice
+// returns only once its whole count moved, which a trickle takes long to.
+func copyCounted(dst io.Writer, src io.Reader, count func(int64)) (total int64, rerr, werr error) {
+	buf := bufferPool.Get(socketCopyBuffer)
+	defer bufferPool.Put(buf)
+	for {
+		n, err := src.Read(*buf)
+		if n > 0 {
+			m, err := dst.Write((*buf)[:n])
+			total += int64(m)
+			count(int64(m))
+			if err == nil && m < n {
+				err = io.ErrShortWrite
+			}
+			if err != nil {
+				return total, nil, err
+			}
+		}
+		switch {
+		case err == io.EOF:
+			return total, nil, nil
+		case err != nil:
+			return total, err, nil
+		}
+	}
+}
+
+// readSocket returns the socket c's reader reads once the stream's bytes
+// are read, waiting for it while it is being opened. It returns c's read
+// error instead when the connection ended.
+func (c *Conn) readSocket() (net.Conn, error) {
+	for {
+		c.mu.Lock()
+		sock, err := c.sock, c.rerr
+		c.mu.Unlock()
+		if err != nil {
+			return nil, err
+		}
+		if sock != nil {
+			return sock, nil
+		}
+		if err := c.waitRead(); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// readDirect reads from the direct socket into p.
+func (c *Conn) readDirect(p []byte) (int, error) {
+	sock, err := c.readSocket()
+	if err != nil {
+		return 0, err
+	}
+	n, err := sock.Read(p)
+	c.countMoved(false, int64(n))
+	return n, c.socketErr(err, true)
+}
+
+// writeDirectTo copies the direct socket to w until its end.
+func (c *Conn) writeDirectTo(w io.Writer) (int64, error) {
+	sock, err := c.readSocket()
+	if err != nil {
+		return 0, err
+	}
+	n, rerr, werr := copyCounted(w, sock, func(n int64) { c.countMoved(false, n) })
+	if rerr != nil {
+		return n, c.socketErr(rerr, true)
+	}
+	return n, werr
+}
+
+// socketErr is the error to report for err from the direct socket: the
+// connection's own when it ended (closing or aborting it closes the
+// socket under a blocked call), the peer's abort, a timeout as the
+// stream's deadlines report it.
+func (c *Conn) socketErr(err error, reading bool) error {
+	if err == nil || err == io.EOF {
+		return err
+	}
+	c.mu.Lock()
+	own, peer := c.werr, c.peerErr
+	if reading {
+		own = c.rerr
+	}
+	c.mu.Unlock()
+	var ne net.Error
+	switch {
+	case own != nil:
+		return own
+	case peer != nil:
+		return peer
+	case errors.As(err, &ne) && ne.Timeout():
+		return timeoutError{}
+	}
+	return fmt.Errorf("direct socket: %w", err)
+}
+
+// onPeerMoved is called when the peer moved its direction to the direct
+// socket.
+func (c *Conn) onPeerMoved() {
+	c.mu.Lock()
+	if c.rerr != nil || c.readEOF || c.rmoved {
+		c.mu.Unlock()
+		return
+	}
+	if c.sock == nil && c.directState.Load() != directDialing {
+		c.mu.Unlock()
+		if ok, suppressed := c.s.peerLog.Allow(); ok {
+			c.s.cfg.Logger.Warn("tunnel peer moved a connection to a direct socket it does not have; connection failed",
+				zapConn(c.id), zap.Int("suppressed", suppressed))
+		}
+		c.fail(&PeerError{Code: tunnelpb.Error_PROTOCOL, Message: "moved without a direct socket"}, tunnelpb.Error_PROTOCOL, "moved without a direct socket")
+		return
+	}
+	c.rmoved = true
+	// No more of this direction comes on the stream: its window is done.
+	c.rwin.release(c.s.cfg.Budget)
+	c.mu.Unlock()
+	notify(c.readNotify)
+}
+
+// closeSocket ends c's direct socket: at once (abort: the peer's reads
+// fail), or after a FIN and at most directLinger of dropping what still
+// comes (the peer reads what this end sent, then EOF).
+func closeSocket(sock net.Conn, abort bool) {
+	if sock == nil {
+		return
+	}
+	tc := tcpConnOf(sock)
+	if abort {
+		if tc != nil {
+			tc.SetLinger(0)
+		}
+		sock.Close()
+		return
+	}
+	if tc == nil {
+		sock.Close()
+		return
+	}
+	tc.CloseWrite()
+	// A blocked reader of the connection returns now (Close set its
+	// error), and the linger below reads alone.
+	sock.SetReadDeadline(time.Now())
+	go func() {
+		sock.SetReadDeadline(time.Now().Add(directLinger))
+		io.Copy(io.Discard, sock)
+		sock.Close()
+	}()
+}
+
+// closeSocketWrite half-closes a direct socket: a FIN on its TCP socket.
+// Under TLS too: a TLS reader takes a FIN at a record's end as EOF, and
+// the TLS conn under gRPC's credentials offers no CloseWrite of its own.
+func closeSocketWrite(sock net.Conn) error {
+	if tc := tcpConnOf(sock); tc != nil {
+		return tc.CloseWrite()
+	}
+	return nil
+}
