@@ -121,29 +121,9 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "drain_grace":
 			err = durationArg(d, &a.DrainGrace)
 		case "data_lane":
-			var v string
-			if err = singleArg(d, &v); err == nil {
-				switch v {
-				case "on":
-					a.DisableDataLane = false
-				case "off":
-					a.DisableDataLane = true
-				default:
-					err = d.Errf("sluice: data_lane: want on or off, got %q", v)
-				}
-			}
+			err = offArg(d, opt, &a.DisableDataLane)
 		case "direct_sockets":
-			var v string
-			if err = singleArg(d, &v); err == nil {
-				switch v {
-				case "on":
-					a.DisableDirectSockets = false
-				case "off":
-					a.DisableDirectSockets = true
-				default:
-					err = d.Errf("sluice: direct_sockets: want on or off, got %q", v)
-				}
-			}
+			err = offArg(d, opt, &a.DisableDirectSockets)
 		default:
 			return d.Errf("sluice: unrecognized option %q", opt)
 		}
@@ -330,6 +310,23 @@ func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
 				return err
 			}
 		}
+	}
+	return nil
+}
+
+// offArg reads the on/off argument of option opt into off (true for off).
+func offArg(d *caddyfile.Dispenser, opt string, off *bool) error {
+	var v string
+	if err := singleArg(d, &v); err != nil {
+		return err
+	}
+	switch v {
+	case "on":
+		*off = false
+	case "off":
+		*off = true
+	default:
+		return d.Errf("sluice: %s: want on or off, got %q", opt, v)
 	}
 	return nil
 }
