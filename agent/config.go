@@ -85,10 +85,9 @@ type Config struct {
 	// DisableDirectSockets keeps every connection on the session's data
 	// lane. By default a connection that carried 1 MiB moves to a socket
 	// of its own to the node (proto/README §2.5): its bytes then cross no
-	// multiplexing at either end, and the agent moves them between the
-	// upstream and the node inside the kernel. The cost is one more
-	// socket per bulk connection at both ends. Without a data lane there
-	// are no direct sockets either.
+	// multiplexing at either end, and Caddy reads them straight into its
+	// buffers. The cost is one more socket per bulk connection at both
+	// ends. Without a data lane there are no direct sockets either.
 	DisableDirectSockets bool `yaml:"disable_direct_sockets"`
 
 	serverTLS  bool   // parsed Server: grpcs

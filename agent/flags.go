@@ -178,7 +178,7 @@ Environment:
   %s  %s  %s  %s
   %s  %s  %s  %s
   %s  %s  %s  %s
-  %s
+  %s  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -197,7 +197,7 @@ Upstream spec (-upstream, %s):
   so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
   through an https:// target.
 `, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
-		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvDisableLane, EnvUpstreams)
+		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvUpstreams)
 }
 
 type stringList []string

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"os"
 	"time"
 
 	"go.uber.org/zap"
@@ -67,7 +68,7 @@ func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel f
 		return onGRPC
 	}
 	addr := laneAddr(rs, hostport)
-	conn, err := a.dialLane(ctx, addr, hostport, tunnelpb.LaneHello(offer.ticket))
+	conn, err := a.dialLane(ctx, laneDialTimeout, addr, hostport, tunnelpb.LaneHello(offer.ticket))
 	if err != nil {
 		if ctx.Err() == nil {
 			a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
@@ -82,8 +83,10 @@ func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel f
 		onLane:   true,
 	}
 	if offer.directKey != "" && !a.cfg.DisableDirectSockets {
+		// Bounded by tunnelcore's context (directDialTimeout, 10 s): the
+		// node may answer late and still have taken the socket.
 		t.directDial = func(ctx context.Context, id uint64) (net.Conn, error) {
-			return a.dialLane(ctx, addr, hostport, tunnelpb.DirectHello(offer.directKey, id))
+			return a.dialLane(ctx, 0, addr, hostport, tunnelpb.DirectHello(offer.directKey, id))
 		}
 	}
 	return t
@@ -159,10 +162,13 @@ func laneAddr(st grpc.ClientStream, hostport string) string {
 
 // dialLane opens a lane, or a direct socket, to addr with the agent's
 // transport credentials (verifying the node as hostport, as the gRPC
-// connection does) and presents hello.
-func (a *Agent) dialLane(ctx context.Context, addr, hostport string, hello []byte) (net.Conn, error) {
-	ctx, cancel := context.WithTimeout(ctx, laneDialTimeout)
-	defer cancel()
+// connection does) and presents hello, within timeout (0: ctx's).
+func (a *Agent) dialLane(ctx context.Context, timeout time.Duration, addr, hostport string, hello []byte) (net.Conn, error) {
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
 	// TCP keepalive stands in for the stream's HTTP/2 pings: it keeps an
 	// idle lane's NAT mapping and finds a dead lane in about a minute.
 	d := net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 4}}
@@ -192,6 +198,11 @@ func presentHello(ctx context.Context, conn net.Conn, hello []byte) error {
 	}
 	var answer [1]byte
 	if _, err := io.ReadFull(conn, answer[:]); err != nil {
+		if ctx.Err() != nil || errors.Is(err, os.ErrDeadlineExceeded) {
+			// Sent, and no answer in time: the node may have taken it
+			// meanwhile. (A node that does not take it closes it.)
+			return fmt.Errorf("the node did not answer: %w: %w", tunnelcore.ErrPrefaceUnanswered, err)
+		}
 		return fmt.Errorf("the node did not take the connection: %w", err)
 	}
 	if answer[0] != tunnelpb.LaneAccepted {

@@ -90,7 +90,15 @@ func randomHex(n int) string {
 type directKeys struct {
 	mu sync.Mutex
 	m  map[string]*tunnelcore.Session
+	// off reports whether the node's direct_sockets is off now: a reload
+	// that turned it off refuses the sockets of the sessions offered a
+	// key before. Nil: on.
+	off func() bool
 }
+
+// errDirectOff is a direct socket that came after a reload turned
+// direct_sockets off.
+var errDirectOff = errors.New("direct_sockets is off")
 
 func (k *directKeys) register(key string, s *tunnelcore.Session) {
 	k.mu.Lock()
@@ -112,6 +120,9 @@ var errDirectKey = errors.New("direct socket key names no session")
 
 // attach hands conn to connection id of the session with key.
 func (k *directKeys) attach(key string, id uint64, conn net.Conn) error {
+	if k.off != nil && k.off() {
+		return errDirectOff
+	}
 	k.mu.Lock()
 	var s *tunnelcore.Session
 	for known, sess := range k.m {

@@ -182,7 +182,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 	opts = append(opts, grpc.Creds(&laneCreds{
 		TransportCredentials: tunnelcore.ProgressCredentials(creds),
 		tickets:              &n.lanes,
-		direct:               &n.direct,
+		direct:               n.directKeys(),
 		refused:              n.laneRefused,
 	}))
 	n.server = grpc.NewServer(opts...)
@@ -540,6 +540,13 @@ func endWithGRPCStream(sess *tunnelcore.Session, grpcRecv <-chan recvResult) {
 		sess.CloseWithError(r.err)
 	case <-sess.Done():
 	}
+}
+
+// directKeys returns the node's direct socket keys, refusing sockets
+// while the current config has direct_sockets off.
+func (n *node) directKeys() *directKeys {
+	n.direct.off = func() bool { return n.opts.Load().noDirectSockets }
+	return &n.direct
 }
 
 // laneRefused logs a lane connection that presented no ticket the node is

@@ -109,8 +109,13 @@ type Conn struct {
 	wshut       bool          // CloseWrite half-closed sock (under mu)
 	rmoved      bool          // the peer's writes come on sock after the buffered bytes (under mu)
 	peerErr     error         // the peer's abort, for errors the socket reports after it (under mu)
-	rdlAt       time.Time     // the read deadline, for a socket attached later (under mu)
-	wdlAt       time.Time     // the write deadline, likewise (under mu)
+	sockEOF     bool          // the reader read the socket's EOF (under mu)
+	windowGone  bool          // the receive window's charge went back after the move (under mu)
+	closedFlag  atomic.Bool   // Close or an abort ran (a socket read drops what it got after)
+	ended       chan struct{} // closed once c ends (markEnded)
+	endOnce     sync.Once
+	rdlAt       time.Time // the read deadline, for a socket attached later (under mu)
+	wdlAt       time.Time // the write deadline, likewise (under mu)
 
 	// sender state, guarded by the sender's mutex
 	sq             fifo[*tunnelpb.Envelope]
@@ -134,6 +139,7 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 		readNotify:  make(chan struct{}, 1),
 		writeNotify: make(chan struct{}, 1),
 		wlock:       make(chan struct{}, 1),
+		ended:       make(chan struct{}),
 		rdl:         makeDeadline(),
 		wdl:         makeDeadline(),
 		rwin:        newRecvWindow(InitialWindow),
@@ -758,9 +764,11 @@ func (c *Conn) Close() error {
 		return nil
 	}
 	c.closed = true
+	c.closedFlag.Store(true)
 	sendFIN := !c.wclosed && c.werr == nil
 	c.wclosed = true
-	cancelPeer := !c.readEOF && c.rerr == nil && c.werr == nil
+	cancelPeer := !c.readEOF && !c.sockEOF && c.rerr == nil && c.werr == nil
+	peerDone := c.readEOF || c.sockEOF
 	if c.werr == nil {
 		c.werr = ErrConnClosed
 	}
@@ -772,7 +780,8 @@ func (c *Conn) Close() error {
 	c.rwin.release(c.s.cfg.Budget)
 	sock := c.sock
 	c.mu.Unlock()
-	closeSocket(sock, false)
+	c.markEnded()
+	closeSocket(sock, false, peerDone)
 
 	c.rdl.stop()
 	c.wdl.stop()
@@ -815,6 +824,7 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	c.aborted = true
 	c.setErrorsLocked(err)
 	c.closed = true
+	c.closedFlag.Store(true)
 	// Reads fail from now on, also after the peer's FIN: what it sent is
 	// dropped, and a clean EOF would pass the loss off as the whole stream.
 	c.readEOF = false
@@ -822,7 +832,8 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	hook := c.breakLocked()
 	sock := c.sock
 	c.mu.Unlock()
-	closeSocket(sock, true)
+	c.markEnded()
+	closeSocket(sock, true, false)
 	runHook(hook)
 	c.wake()
 	c.s.purge(c)
@@ -919,6 +930,7 @@ func (c *Conn) onPeerError(e *tunnelpb.Error) {
 	hook := c.breakLocked()
 	sock := c.sock
 	c.mu.Unlock()
+	c.markEnded()
 	if shut {
 		// The peer reads no more: a writer blocked on the socket returns.
 		closeSocketWrite(sock)
@@ -978,7 +990,8 @@ func (c *Conn) onSessionEnd(err error) {
 	hook := c.breakLocked()
 	sock := c.sock
 	c.mu.Unlock()
-	closeSocket(sock, true)
+	c.markEnded()
+	closeSocket(sock, true, false)
 	runHook(hook)
 	c.wake()
 }

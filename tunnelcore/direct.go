@@ -25,8 +25,8 @@ import (
 // buffers into the reader's, after seven other connections' frames passed
 // through the cache, and each hand-off between the stream's reader and a
 // connection's reader is a wake-up. On a socket of its own, a connection is
-// read straight into the reader's buffer, and an agent moves it between
-// its upstream and the node inside the kernel (splice). The stream keeps
+// read straight into the reader's buffer, with TCP's flow control. The
+// stream keeps
 // what it is good at: opening connections at no round trip, small
 // exchanges, flow control for many connections on one socket.
 //
@@ -43,10 +43,10 @@ const DefaultDirectAbove = 1 << 20
 // on the stream meanwhile, and for good if it fails.
 const directDialTimeout = 10 * time.Second
 
-// directLinger bounds how long a closed connection's socket is read and
-// dropped after its FIN before it is closed: closing a socket with bytes
-// unread resets the connection, which can discard what the peer has not
-// read yet of what this end sent.
+// directLinger is how long a closed connection's socket stays open after
+// its FIN (closeSocket): closing a socket with bytes unread resets the
+// connection, which can discard what the peer has not read yet of what
+// this end sent.
 const directLinger = 2 * time.Second
 
 // socketChunk is what one copy to or from a direct socket moves before
@@ -64,6 +64,21 @@ const (
 // ErrNotDirect is AttachDirect's error for a connection that cannot take a
 // direct socket: unknown, ending, or already given one.
 var ErrNotDirect = errors.New("connection cannot take a direct socket")
+
+// ErrPrefaceUnanswered is what a DirectDial wraps when it presented the
+// socket and got no answer in time: the peer may have taken it, and may
+// move its direction to it. The connection fails rather than wait on a
+// socket this end no longer has.
+var ErrPrefaceUnanswered = errors.New("direct socket preface sent, no answer")
+
+// Opening direct sockets is bounded per session: at most
+// maxDirectDialing at once (each counts against the node's limit on
+// connections that have not shown what they are until its preface), and
+// none for directRetryAfter after one failed.
+const (
+	maxDirectDialing = 4
+	directRetryAfter = time.Minute
+)
 
 // errGoDirect tells a writer waiting for credit that its writes go to the
 // direct socket from now on.
@@ -99,8 +114,44 @@ func (c *Conn) countMoved(written bool, n int64) {
 	if c.s.cfg.DirectDial == nil || total < c.s.cfg.DirectAbove || c.directState.Load() != directNone {
 		return
 	}
+	// Not now (too many opening, or a failure not long ago): a later
+	// count tries again.
+	if !c.s.takeDirectDial() {
+		return
+	}
 	if c.directState.CompareAndSwap(directNone, directDialing) {
 		go c.goDirect()
+	} else {
+		c.s.doneDirectDial(nil)
+	}
+}
+
+// takeDirectDial reports whether a connection may open its direct socket
+// now, and counts it until doneDirectDial.
+func (s *Session) takeDirectDial() bool {
+	if time.Now().UnixNano() < s.directRetryAt.Load() {
+		return false
+	}
+	select {
+	case s.directDialing <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+// doneDirectDial ends a count of takeDirectDial; a failure (err not nil,
+// the session still up) holds further attempts off for directRetryAfter,
+// and says so once.
+func (s *Session) doneDirectDial(err error) {
+	<-s.directDialing
+	if err == nil || errors.Is(err, ErrNotDirect) || s.Err() != nil {
+		return
+	}
+	s.directRetryAt.Store(time.Now().Add(directRetryAfter).UnixNano())
+	if ok, suppressed := s.directLog.Allow(); ok {
+		s.cfg.Logger.Warn("direct socket unavailable; connections stay on the data lane for a while",
+			zap.Duration("retry_after", directRetryAfter), zap.Int("suppressed", suppressed), zap.Error(err))
 	}
 }
 
@@ -121,6 +172,7 @@ func (c *Conn) goDirect() {
 			sock.Close()
 		}
 	}
+	c.s.doneDirectDial(err)
 	if err != nil {
 		c.directFailed(err)
 	}
@@ -132,16 +184,12 @@ func (c *Conn) goDirect() {
 func (c *Conn) directFailed(err error) {
 	c.mu.Lock()
 	c.directState.Store(directFailed)
-	stranded := c.rmoved && c.rerr == nil
+	// The peer moved meanwhile, or may yet: its bytes would go to a
+	// socket this end does not have.
+	stranded := (c.rmoved || errors.Is(err, ErrPrefaceUnanswered)) && c.rerr == nil
 	c.mu.Unlock()
-	if c.s.cfg.Logger != nil && !errors.Is(err, ErrNotDirect) && c.s.Err() == nil {
-		if ok, suppressed := c.s.flowLog.Allow(); ok {
-			c.s.cfg.Logger.Debug("direct socket not opened; the connection stays on the stream",
-				zapConn(c.id), zap.Int("suppressed", suppressed), zap.Error(err))
-		}
-	}
 	if stranded {
-		c.fail(fmt.Errorf("direct socket: %w", err), tunnelpb.Error_INTERNAL, "direct socket failed")
+		c.fail(fmt.Errorf("direct socket: %w", err), tunnelpb.Error_INTERNAL, "direct socket not answered in time")
 	}
 	notify(c.readNotify)
 }
@@ -188,6 +236,17 @@ func (c *Conn) lockWrites() error {
 		return nil
 	case <-c.wdl.wait():
 		return timeoutError{}
+	case <-c.ended:
+		// Closed or aborted while another writer held the lock (a
+		// ReadFrom waiting on its source), as a socket's Close ends its
+		// waiting writers.
+		c.mu.Lock()
+		err := c.werr
+		c.mu.Unlock()
+		if err == nil {
+			err = ErrConnClosed
+		}
+		return err
 	}
 }
 
@@ -207,16 +266,41 @@ func (c *Conn) writeSocket() (net.Conn, error) {
 		c.mu.Unlock()
 		return nil, err
 	}
-	move := !c.wmoved
+	if c.wshut {
+		c.mu.Unlock()
+		return nil, ErrWriteClosed
+	}
+	sock := c.sock
+	if c.wmoved {
+		c.mu.Unlock()
+		return sock, nil
+	}
+	c.mu.Unlock()
+	// The marker first, then the state. A Close or CloseWrite meanwhile
+	// still finds the direction open on the stream and sends its FIN there
+	// (before the marker or behind it: the peer reads EOF either way);
+	// marked moved first, it would send nothing, and with the connection
+	// finished the marker could be dropped: the peer would wait forever.
+	queued := c.s.sender.enqueue(c, &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{
+		Close: &tunnelpb.Close{ConnId: c.id, Moved: true},
+	}}}, true)
+	c.mu.Lock()
+	closedMeanwhile, err := c.wclosed, c.werr
 	// The stream's side of the direction is done: reserve and CloseWrite
 	// take it as closed, Close sends no FIN for it.
 	c.wmoved, c.wclosed = true, true
-	sock := c.sock
+	c.wshut = c.wshut || closedMeanwhile
 	c.mu.Unlock()
-	if move {
-		c.s.sender.enqueue(c, &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{
-			Close: &tunnelpb.Close{ConnId: c.id, Moved: true},
-		}}}, true)
+	switch {
+	case err != nil:
+		return nil, err
+	case closedMeanwhile:
+		// Its FIN went on the stream, maybe behind the marker: the
+		// socket ends too.
+		closeSocketWrite(sock)
+		return nil, ErrWriteClosed
+	case !queued:
+		return nil, ErrConnClosed
 	}
 	return sock, nil
 }
@@ -237,10 +321,16 @@ func (c *Conn) readFromDirect(sock net.Conn, r io.Reader) (int64, error) {
 	return n, rerr
 }
 
-// socketCopyBuffer is the buffer a copy to or from a direct socket holds
-// while it runs: a fixed part of what a moved connection holds outside
-// the budget (one per direction relayed).
-const socketCopyBuffer = 64 << 10
+// The buffers of a copy to or from a direct socket: it waits for bytes
+// with a small one, which is all an idle connection holds, and takes a
+// large one from the pool for a read only when that many bytes wait
+// (bulk: one read and one write per 256 KiB, as a bare relay does).
+// Where the socket cannot tell (not Linux), every read takes the medium.
+const (
+	copyBufferSmall  = 16 << 10
+	copyBufferMedium = 64 << 10
+	copyBufferLarge  = 256 << 10
+)
 
 // copyCounted copies src to dst until src's end, calling count with each
 // write's bytes, so that Counts shows a slow but steady stream moving (an
@@ -250,9 +340,8 @@ const socketCopyBuffer = 64 << 10
 // spared the agent (bench/README.md, "Direct sockets"); and a splice
 // returns only once its whole count moved, which a trickle takes long to.
 func copyCounted(dst io.Writer, src io.Reader, count func(int64)) (total int64, rerr, werr error) {
-	buf := bufferPool.Get(socketCopyBuffer)
-	defer bufferPool.Put(buf)
 	for {
+		buf := bufferPool.Get(copyBufferFor(waiting(src)))
 		n, err := src.Read(*buf)
 		if n > 0 {
 			m, err := dst.Write((*buf)[:n])
@@ -262,9 +351,11 @@ func copyCounted(dst io.Writer, src io.Reader, count func(int64)) (total int64, 
 				err = io.ErrShortWrite
 			}
 			if err != nil {
+				bufferPool.Put(buf)
 				return total, nil, err
 			}
 		}
+		bufferPool.Put(buf)
 		switch {
 		case err == io.EOF:
 			return total, nil, nil
@@ -274,6 +365,18 @@ func copyCounted(dst io.Writer, src io.Reader, count func(int64)) (total int64, 
 	}
 }
 
+// copyBufferFor is the buffer size for a read when n bytes wait (-1: not
+// known).
+func copyBufferFor(n int) int {
+	switch {
+	case n < 0:
+		return copyBufferMedium
+	case n > copyBufferSmall:
+		return copyBufferLarge
+	}
+	return copyBufferSmall
+}
+
 // readSocket returns the socket c's reader reads once the stream's bytes
 // are read, waiting for it while it is being opened. It returns c's read
 // error instead when the connection ended.
@@ -281,6 +384,13 @@ func (c *Conn) readSocket() (net.Conn, error) {
 	for {
 		c.mu.Lock()
 		sock, err := c.sock, c.rerr
+		if !c.windowGone && err == nil {
+			// The stream's bytes are read and no more come there: the
+			// window's budget goes back (kept until now, as it bounded
+			// what was still buffered).
+			c.windowGone = true
+			c.rwin.release(c.s.cfg.Budget)
+		}
 		c.mu.Unlock()
 		if err != nil {
 			return nil, err
@@ -301,8 +411,28 @@ func (c *Conn) readDirect(p []byte) (int, error) {
 		return 0, err
 	}
 	n, err := sock.Read(p)
+	if c.closedFlag.Load() {
+		// Closed meanwhile: the bytes came after the Close.
+		return 0, ErrConnClosed
+	}
 	c.countMoved(false, int64(n))
+	if err == io.EOF {
+		return n, c.socketEOF()
+	}
 	return n, c.socketErr(err, true)
+}
+
+// socketEOF records that the peer's direction ended on the socket and
+// returns io.EOF, or the peer's abort when it aborted (a FIN is not one
+// then: a TLS close_notify, a close that raced the abort).
+func (c *Conn) socketEOF() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.sockEOF = true
+	if pe, ok := c.peerErr.(*PeerError); ok && pe.Code != tunnelpb.Error_CANCELED {
+		return pe
+	}
+	return io.EOF
 }
 
 // writeDirectTo copies the direct socket to w until its end.
@@ -315,6 +445,11 @@ func (c *Conn) writeDirectTo(w io.Writer) (int64, error) {
 	if rerr != nil {
 		return n, c.socketErr(rerr, true)
 	}
+	if werr == nil {
+		if err := c.socketEOF(); err != io.EOF {
+			return n, err
+		}
+	}
 	return n, werr
 }
 
@@ -326,22 +461,67 @@ func (c *Conn) socketErr(err error, reading bool) error {
 	if err == nil || err == io.EOF {
 		return err
 	}
-	c.mu.Lock()
-	own, peer := c.werr, c.peerErr
-	if reading {
-		own = c.rerr
-	}
-	c.mu.Unlock()
 	var ne net.Error
-	switch {
-	case own != nil:
-		return own
-	case peer != nil:
-		return peer
-	case errors.As(err, &ne) && ne.Timeout():
+	if errors.As(err, &ne) && ne.Timeout() {
+		if own := c.endErr(reading); own != nil {
+			return own // Close kicked a blocked reader with a past deadline
+		}
 		return timeoutError{}
 	}
+	if c.endErr(reading) == nil && c.peerErrOrNil() == nil {
+		// The socket failed under the call: the peer's abort resets it,
+		// and its Error, or the session's end, comes on the stream, which
+		// can be a little behind. Said by the stream, the error is the
+		// peer's; else the socket's own.
+		t := time.NewTimer(peerWordWait)
+		select {
+		case <-c.ended:
+		case <-c.s.done:
+			c.onSessionEnd(c.s.Err())
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	if own := c.endErr(reading); own != nil {
+		return own
+	}
+	if peer := c.peerErrOrNil(); peer != nil {
+		return peer
+	}
 	return fmt.Errorf("direct socket: %w", err)
+}
+
+// peerWordWait bounds how long a failed socket call waits for the stream
+// to say why (socketErr).
+const peerWordWait = time.Second
+
+// endErr is the connection's own error for a read or a write: it was
+// closed, aborted, or its session ended.
+func (c *Conn) endErr(reading bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if reading {
+		if c.rerr != nil && c.rerr != c.peerErr {
+			return c.rerr
+		}
+		return nil
+	}
+	if c.werr != nil && c.werr != c.peerErr {
+		return c.werr
+	}
+	return nil
+}
+
+func (c *Conn) peerErrOrNil() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.peerErr
+}
+
+// markEnded wakes what waits for c's end (a writer waiting for the write
+// lock, a failed socket call waiting for the peer's word).
+func (c *Conn) markEnded() {
+	c.endOnce.Do(func() { close(c.ended) })
 }
 
 // onPeerMoved is called when the peer moved its direction to the direct
@@ -362,40 +542,50 @@ func (c *Conn) onPeerMoved() {
 		return
 	}
 	c.rmoved = true
-	// No more of this direction comes on the stream: its window is done.
-	c.rwin.release(c.s.cfg.Budget)
+	// No more of this direction comes on the stream. Its window's charge
+	// stays while the bytes it admitted are buffered (readSocket gives it
+	// back).
 	c.mu.Unlock()
 	notify(c.readNotify)
 }
 
-// closeSocket ends c's direct socket: at once (abort: the peer's reads
-// fail), or after a FIN and at most directLinger of dropping what still
-// comes (the peer reads what this end sent, then EOF).
-func closeSocket(sock net.Conn, abort bool) {
+// closeSocket ends c's direct socket: at once with a reset (abort: the
+// peer's reads fail), at once with a FIN when the peer's direction ended
+// too (peerDone), or else with a FIN now and the close directLinger later:
+// closing with bytes unread resets the connection, which can discard what
+// the peer has not read yet of what this end sent, and the peer stops
+// sending once it has the Close's CANCELED.
+func closeSocket(sock net.Conn, abort, peerDone bool) {
 	if sock == nil {
 		return
 	}
 	tc := tcpConnOf(sock)
-	if abort {
-		if tc != nil {
-			tc.SetLinger(0)
-		}
-		sock.Close()
-		return
-	}
 	if tc == nil {
 		sock.Close()
 		return
 	}
-	tc.CloseWrite()
-	// A blocked reader of the connection returns now (Close set its
-	// error), and the linger below reads alone.
-	sock.SetReadDeadline(time.Now())
-	go func() {
-		sock.SetReadDeadline(time.Now().Add(directLinger))
-		io.Copy(io.Discard, sock)
+	if abort {
+		// The TCP socket first: a TLS conn closed first writes a
+		// close_notify, which its peer reads as a clean EOF, and which
+		// blocks on a peer that stopped reading.
+		tc.SetLinger(0)
+		tc.Close()
 		sock.Close()
-	}()
+		return
+	}
+	tc.CloseWrite()
+	if peerDone {
+		tc.Close()
+		sock.Close()
+		return
+	}
+	// A reader blocked on the socket returns now (Close set its error);
+	// the deadline is never moved again.
+	sock.SetReadDeadline(time.Now())
+	time.AfterFunc(directLinger, func() {
+		tc.Close()
+		sock.Close()
+	})
 }
 
 // closeSocketWrite half-closes a direct socket: a FIN on its TCP socket.

@@ -34,6 +34,10 @@ type Session struct {
 	spliced  atomic.Int64 // DATA bytes sent by splice (Stats.Spliced)
 	direct   atomic.Int64 // connections given a direct socket (Stats.Direct)
 
+	directDialing chan struct{} // direct sockets being opened (takeDirectDial)
+	directRetryAt atomic.Int64  // unix ns before which none is opened (after a failure)
+	directLog     *logthrottle.Throttle
+
 	done      chan struct{}
 	closeOnce sync.Once
 	err       error // set before done is closed
@@ -57,6 +61,9 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 		done:    make(chan struct{}),
 		flowLog: logthrottle.New(10*time.Second, 1),
 		peerLog: logthrottle.New(10*time.Second, 5),
+
+		directDialing: make(chan struct{}, maxDirectDialing),
+		directLog:     logthrottle.New(directRetryAfter, 1),
 	}
 	s.sender.init(s)
 	if cfg.Role == RoleAgent {

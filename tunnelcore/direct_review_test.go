@@ -1,0 +1,276 @@
+package tunnelcore
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// movedPair returns a connection whose both directions moved to the
+// direct socket, with the first bytes of each read.
+func movedPair(t *testing.T) (nc, ac *Conn) {
+	t.Helper()
+	node, agent := directPair(t, transport{"lane", lanePair}, 1)
+	nc, ac = openAccepted(t, node, agent)
+	if _, err := ac.Write([]byte("a")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
+	// Writes after the attach move each direction.
+	if _, err := ac.Write([]byte("b")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.Write([]byte("c")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(nc, make([]byte, 2)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(ac, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	nc.mu.Lock()
+	ok := nc.rmoved && nc.wmoved
+	nc.mu.Unlock()
+	ac.mu.Lock()
+	ok = ok && ac.rmoved && ac.wmoved
+	ac.mu.Unlock()
+	if !ok {
+		t.Fatal("not both directions moved")
+	}
+	return nc, ac
+}
+
+// The peer's abort of a moved connection: the reader of the moved
+// direction must report the peer's RESET (proto/README §2.5).
+func TestDirectPeerAbortOnAMovedDirection(t *testing.T) {
+	nc, ac := movedPair(t)
+	defer nc.Close()
+	done := make(chan error, 1)
+	go func() { _, err := nc.Read(make([]byte, 10)); done <- err }()
+	ac.Abort(tunnelpb.Error_RESET, "upstream reset")
+	select {
+	case err := <-done:
+		var pe *PeerError
+		if !errors.As(err, &pe) || pe.Code != tunnelpb.Error_RESET {
+			t.Fatalf("read after the peer's abort = %v; want its RESET", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("read hung")
+	}
+}
+
+// Close must unblock a Read blocked on the moved direction's socket at
+// once, with ErrConnClosed, and no bytes after the Close may reach it.
+func TestDirectCloseUnblocksASocketRead(t *testing.T) {
+	for i := range 20 {
+		nc, ac := movedPair(t)
+		done := make(chan error, 1)
+		go func() {
+			n, err := nc.Read(make([]byte, 10))
+			if n > 0 {
+				err = errors.New("read returned bytes written after Close")
+			}
+			done <- err
+		}()
+		start := time.Now()
+		nc.Close()
+		// The peer keeps writing a little after the Close.
+		go func() {
+			for range 5 {
+				ac.Write([]byte("late"))
+			}
+		}()
+		select {
+		case err := <-done:
+			if !errors.Is(err, ErrConnClosed) || time.Since(start) > 500*time.Millisecond {
+				t.Fatalf("round %d: read blocked across Close returned %v after %v; want ErrConnClosed at once", i, err, time.Since(start))
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("round %d: read hung after Close", i)
+		}
+		ac.Close()
+	}
+}
+
+// A Write waiting for the write lock (another goroutine's ReadFrom waits
+// on an idle source) must return once the connection is closed, as a TCP
+// socket's does. No direct socket involved: plain lane connections.
+func TestCloseEndsAWriteWaitingForTheWriteLock(t *testing.T) {
+	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
+	nc, ac := openAccepted(t, node, agent)
+	defer ac.Close()
+	src, srcW := io.Pipe()
+	defer srcW.Close()
+	go nc.ReadFrom(src) // waits on src
+	eventually(t, 5*time.Second, "ReadFrom holding the write lock", func() bool { return len(nc.wlock) == 1 })
+	done := make(chan error, 1)
+	go func() { _, err := nc.Write([]byte("x")); done <- err }()
+	nc.Close()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("write after Close succeeded")
+		}
+	case <-time.After(3 * time.Second):
+		srcW.Close()
+		<-done
+		t.Fatal("Write stayed blocked after Close (until ReadFrom's source returned)")
+	}
+}
+
+// attachBoth gives nc/ac a direct socket by hand (no dial).
+func attachBoth(t *testing.T, node *Session, nc, ac *Conn) {
+	t.Helper()
+	a, b := tcpPair(t)
+	if err := node.AttachDirect(nc.ID(), a); err != nil {
+		t.Fatal(err)
+	}
+	var answer [1]byte
+	if _, err := io.ReadFull(b, answer[:]); err != nil {
+		t.Fatal(err)
+	}
+	ac.directState.Store(directDialing)
+	if err := ac.attach(b, false); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A Write that moves the direction racing Close: the peer, which had
+// half-closed already, must still read EOF (the Close{moved} marker must
+// not be dropped after the connection left the sender).
+func TestDirectCloseRacingTheMove(t *testing.T) {
+	node, agent := directPair(t, transport{"lane", lanePair}, 1<<40)
+	for i := range 500 {
+		nc, ac := openAccepted(t, node, agent)
+		attachBoth(t, node, nc, ac)
+		ac.CloseWrite()
+		eventually(t, 5*time.Second, "the node read the agent's FIN", func() bool {
+			nc.mu.Lock()
+			defer nc.mu.Unlock()
+			return nc.readEOF
+		})
+		started := make(chan struct{})
+		go func() { close(started); nc.Write([]byte("data")) }()
+		<-started
+		for end := time.Now().Add(time.Duration(i%40) * time.Microsecond); time.Now().Before(end); {
+		}
+		nc.Close()
+		ac.SetReadDeadline(time.Now().Add(3 * time.Second))
+		_, err := io.ReadAll(ac)
+		if err != nil {
+			ac.mu.Lock()
+			rm, eof, rerr := ac.rmoved, ac.readEOF, ac.rerr
+			ac.mu.Unlock()
+			node.sender.mu.Lock()
+			removed := nc.removed
+			node.sender.mu.Unlock()
+			t.Fatalf("round %d: the peer's read after a Write racing Close: %v (peer rmoved %v readEOF %v rerr %v; node conn removed %v wmoved %v)", i, err, rm, eof, rerr, removed, nc.wmoved)
+		}
+		ac.Close()
+	}
+}
+
+// Write after CloseWrite on a moved direction: ErrWriteClosed, as on the
+// lane (the relay tells errors apart by it: an EPIPE reads as a peer reset).
+func TestDirectWriteAfterCloseWrite(t *testing.T) {
+	nc, ac := movedPair(t)
+	defer nc.Close()
+	defer ac.Close()
+	if err := nc.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_, err := nc.Write([]byte("x"))
+	if !errors.Is(err, ErrWriteClosed) {
+		t.Fatalf("write after CloseWrite = %v; want ErrWriteClosed", err)
+	}
+}
+
+// A clean exchange on a moved connection (both sides half-close, read
+// EOF, close) must not send the peer an Error{CANCELED}: it breaks the
+// peer's connection (its relay's hook) as if it had been cut off sending.
+func TestDirectCleanCloseSendsNoCancel(t *testing.T) {
+	nc, ac := movedPair(t)
+	defer ac.Close()
+	if err := ac.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadAll(nc); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadAll(ac); err != nil {
+		t.Fatal(err)
+	}
+	nc.Close()
+	// Whatever nc's Close sent is dispatched at the agent before a later
+	// connection's first bytes: the lane keeps its order.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := nc.Session().Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	later, _ := openAccepted(t, nc.Session(), ac.Session())
+	later.Close()
+	if ac.isBroken() {
+		t.Fatalf("the peer's clean Close after both EOFs broke this end: %v", ac.brokenErr())
+	}
+}
+
+// The move gives the receive window's budget back while the bytes it
+// admitted are still buffered (after a lane FIN the charge stays until the
+// connection ends): the node's budget then undercounts what it holds.
+func TestDirectMoveKeepsTheChargeOfBufferedBytes(t *testing.T) {
+	budget := NewBudget(64 << 20)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis.Close()
+	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{Budget: budget}, Config{})
+	nc, ac := openAccepted(t, node, agent)
+	defer nc.Close()
+	defer ac.Close()
+	stop := make(chan struct{})
+	go func() {
+		chunk := make([]byte, 64<<10)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := ac.Write(chunk); err != nil {
+				return
+			}
+		}
+	}()
+	// Read so the window grows, then stop reading.
+	buf := make([]byte, 64<<10)
+	for i := 0; i < 400 && budget.InUse() < 1<<20; i++ {
+		io.ReadFull(nc, buf)
+	}
+	if budget.InUse() == 0 {
+		t.Skip("window did not grow")
+	}
+	eventually(t, 5*time.Second, "the writer filling the grown window", func() bool { return nc.Buffered() > 1<<20 })
+	held, charged := nc.Buffered(), budget.InUse()
+	attachBoth(t, node, nc, ac) // the writer, blocked on credit, moves
+	eventually(t, 5*time.Second, "the agent moved", func() bool {
+		nc.mu.Lock()
+		defer nc.mu.Unlock()
+		return nc.rmoved
+	})
+	close(stop)
+	t.Logf("before the move: %d buffered, budget %d; after: %d buffered, budget %d", held, charged, nc.Buffered(), budget.InUse())
+	if nc.Buffered() > InitialWindow && budget.InUse() == 0 {
+		t.Fatalf("%d bytes above the initial window still buffered, budget charge 0", nc.Buffered()-InitialWindow)
+	}
+}
