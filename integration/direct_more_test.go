@@ -17,7 +17,8 @@ import (
 	"github.com/sluice-tunnel/sluice/internal/sampleupstream"
 )
 
-// downloadOK is checkDownload without t.Fatal (usable from goroutines).
+// downloadOK fetches /download?size=size through c for host and compares
+// the checksum; it returns what went wrong (usable from goroutines).
 func downloadOK(c *caddyServer, host string, size int64) error {
 	h := sha256.New()
 	io.Copy(h, sampleupstream.Pattern(size))
@@ -32,7 +33,7 @@ func downloadOK(c *caddyServer, host string, size int64) error {
 	h.Reset()
 	n, err := io.Copy(h, resp.Body)
 	if err != nil || n != size || !bytes.Equal(h.Sum(nil), want) || resp.StatusCode != 200 {
-		return fmt.Errorf("download: status %d, %d of %d bytes, err %v", resp.StatusCode, n, size, err)
+		return fmt.Errorf("download: status %d, %d of %d bytes, err %v, checksum ok %v", resp.StatusCode, n, size, err, bytes.Equal(h.Sum(nil), want))
 	}
 	return nil
 }

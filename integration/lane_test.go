@@ -66,34 +66,7 @@ func TestLaneThatCannotOpenFallsBack(t *testing.T) {
 // firstConnOnly forwards the first connection to target and closes every
 // later one at once; it returns its address.
 func firstConnOnly(t testing.TB, target string) string {
-	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { lis.Close() })
-	var n atomic.Int32
-	go func() {
-		for {
-			in, err := lis.Accept()
-			if err != nil {
-				return
-			}
-			if n.Add(1) > 1 {
-				in.Close()
-				continue
-			}
-			out, err := net.Dial("tcp", target)
-			if err != nil {
-				in.Close()
-				continue
-			}
-			t.Cleanup(func() { in.Close(); out.Close() })
-			go func() { io.Copy(out, in); out.Close() }()
-			go func() { io.Copy(in, out); in.Close() }()
-		}
-	}()
-	return lis.Addr().String()
+	return connsUpTo(t, target, 1, new(atomic.Int32))
 }
 
 // TestLaneRefusesStrangers: a lane preface with a ticket no stream is

@@ -23,6 +23,17 @@ const directKey = "0123456789abcdef0123456789abcdef"
 // control listener does. above is the agent's DirectAbove; tune, if set,
 // tunes the node's end of each direct socket.
 func directPair(t *testing.T, tr transport, above int64, tune ...func(*net.TCPConn)) (node, agent *Session) {
+	return directPairOver(t, tr, above, nil, tune...)
+}
+
+// socketWrap wraps both ends of a direct socket (TLS), the server's first.
+type socketWrap struct {
+	server, client func(raw net.Conn) net.Conn
+}
+
+// directPairOver is directPair with each direct socket wrapped by wrap
+// (nil: plaintext), as the agent's dialLane and the node's laneCreds do.
+func directPairOver(t *testing.T, tr transport, above int64, wrap *socketWrap, tune ...func(*net.TCPConn)) (node, agent *Session) {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -32,20 +43,24 @@ func directPair(t *testing.T, tr transport, above int64, tune ...func(*net.TCPCo
 	var nodeSess atomic.Pointer[Session]
 	go func() {
 		for {
-			c, err := lis.Accept()
+			raw, err := lis.Accept()
 			if err != nil {
 				return
 			}
 			for _, f := range tune {
-				f(c.(*net.TCPConn))
+				f(raw.(*net.TCPConn))
 			}
 			go func() {
+				var c net.Conn = raw
+				if wrap != nil {
+					c = wrap.server(raw)
+				}
 				hello := make([]byte, tunnelpb.DirectHelloLength)
 				c.SetReadDeadline(time.Now().Add(5 * time.Second))
 				_, err := io.ReadFull(c, hello)
 				c.SetReadDeadline(time.Time{})
 				key, id, perr := tunnelpb.ParseDirectHello(hello)
-				if err != nil || perr != nil || key != directKey || nodeSess.Load().AttachDirect(id, c) != nil {
+				if err != nil || perr != nil || key != directKey || nodeSess.Load().AttachDirect(id, OverSocket(c, raw)) != nil {
 					c.Close()
 				}
 			}()
@@ -53,9 +68,13 @@ func directPair(t *testing.T, tr transport, above int64, tune ...func(*net.TCPCo
 	}()
 	agentCfg := Config{DirectAbove: above, DirectDial: func(ctx context.Context, id uint64) (net.Conn, error) {
 		var d net.Dialer
-		c, err := d.DialContext(ctx, "tcp", lis.Addr().String())
+		raw, err := d.DialContext(ctx, "tcp", lis.Addr().String())
 		if err != nil {
 			return nil, err
+		}
+		c := raw
+		if wrap != nil {
+			c = wrap.client(raw)
 		}
 		if _, err := c.Write(tunnelpb.DirectHello(directKey, id)); err != nil {
 			c.Close()
@@ -66,7 +85,7 @@ func directPair(t *testing.T, tr transport, above int64, tune ...func(*net.TCPCo
 			c.Close()
 			return nil, errors.New("direct socket refused")
 		}
-		return c, nil
+		return OverSocket(c, raw), nil
 	}}
 	node, agent = sessionPair(t, tr, Config{}, agentCfg)
 	nodeSess.Store(node)

@@ -1,7 +1,6 @@
 package tunnelcore
 
 import (
-	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -12,14 +11,14 @@ import (
 	"io"
 	"math/big"
 	"net"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
-func reviewCert(t *testing.T) tls.Certificate {
+// testCert is a self-signed certificate for TLS direct sockets.
+func testCert(t *testing.T) tls.Certificate {
 	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "x"},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), DNSNames: []string{"x"}}
@@ -34,53 +33,15 @@ func reviewCert(t *testing.T) tls.Certificate {
 // agent's dialLane and the node's laneCreds make them.
 func directPairTLS(t *testing.T, above int64) (node, agent *Session) {
 	t.Helper()
-	cert := reviewCert(t)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { lis.Close() })
-	var nodeSess atomic.Pointer[Session]
-	go func() {
-		for {
-			raw, err := lis.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				c := tls.Server(raw, &tls.Config{Certificates: []tls.Certificate{cert}})
-				hello := make([]byte, tunnelpb.DirectHelloLength)
-				c.SetReadDeadline(time.Now().Add(5 * time.Second))
-				_, err := io.ReadFull(c, hello)
-				c.SetReadDeadline(time.Time{})
-				key, id, perr := tunnelpb.ParseDirectHello(hello)
-				if err != nil || perr != nil || key != directKey || nodeSess.Load().AttachDirect(id, OverSocket(c, raw)) != nil {
-					c.Close()
-				}
-			}()
-		}
-	}()
-	agentCfg := Config{DirectAbove: above, DirectDial: func(ctx context.Context, id uint64) (net.Conn, error) {
-		var d net.Dialer
-		raw, err := d.DialContext(ctx, "tcp", lis.Addr().String())
-		if err != nil {
-			return nil, err
-		}
-		c := tls.Client(raw, &tls.Config{InsecureSkipVerify: true})
-		if _, err := c.Write(tunnelpb.DirectHello(directKey, id)); err != nil {
-			c.Close()
-			return nil, err
-		}
-		var answer [1]byte
-		if _, err := io.ReadFull(c, answer[:]); err != nil || answer[0] != tunnelpb.LaneAccepted {
-			c.Close()
-			return nil, errors.New("direct socket refused")
-		}
-		return OverSocket(c, raw), nil
-	}}
-	node, agent = sessionPair(t, transport{"lane", lanePair}, Config{}, agentCfg)
-	nodeSess.Store(node)
-	return node, agent
+	cert := testCert(t)
+	return directPairOver(t, transport{"lane", lanePair}, above, &socketWrap{
+		server: func(raw net.Conn) net.Conn {
+			return tls.Server(raw, &tls.Config{Certificates: []tls.Certificate{cert}})
+		},
+		client: func(raw net.Conn) net.Conn {
+			return tls.Client(raw, &tls.Config{InsecureSkipVerify: true})
+		},
+	})
 }
 
 // Under TLS, an abort of a moved connection (the agent's relay cutting a
