@@ -205,11 +205,16 @@ func presentHello(ctx context.Context, conn net.Conn, hello []byte) error {
 		}
 		return fmt.Errorf("the node did not take the connection: %w", err)
 	}
-	if answer[0] != tunnelpb.LaneAccepted {
+	switch answer[0] {
+	case tunnelpb.LaneAccepted:
+	case tunnelpb.DirectNotOpen:
+		return fmt.Errorf("the node has that connection no longer: %w", tunnelcore.ErrNotDirect)
+	default:
 		return fmt.Errorf("the node did not take the connection (answered %#x)", answer[0])
 	}
 	if !stop() {
-		return ctx.Err()
+		// Answered, as the time ran out: the node took it.
+		return fmt.Errorf("%w: %w", tunnelcore.ErrPrefaceUnanswered, ctx.Err())
 	}
 	return nil
 }

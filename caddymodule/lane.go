@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/credentials"
 
@@ -210,7 +211,14 @@ func (c *laneCreds) take(conn net.Conn, guarded *guardedConn) (what string, err 
 		if guarded != nil {
 			guarded.direct.Store(true)
 		}
-		return direct, c.direct.attach(key, id, conn)
+		err = c.direct.attach(key, id, conn)
+		if errors.Is(err, tunnelcore.ErrNotDirect) {
+			// The key is right: tell the agent it is the connection, not
+			// the path (its other connections may still go direct).
+			conn.SetWriteDeadline(time.Now().Add(time.Second))
+			conn.Write([]byte{tunnelpb.DirectNotOpen})
+		}
+		return direct, err
 	}
 	hello = hello[:tunnelpb.LaneHelloLength]
 	if _, err := io.ReadFull(conn, hello[prefix:]); err != nil {

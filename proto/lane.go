@@ -46,6 +46,11 @@ const (
 	DirectPreface = "SLUICE-CONN/1 "
 	// DirectKeyLength is the length of a direct key: 32 hex digits.
 	DirectKeyLength = 32
+	// DirectNotOpen is the node's answer to a direct socket with the
+	// session's key for a connection that is not open (any more), or has
+	// a socket already: the path works, that connection stays on the
+	// lane. (A wrong key gets no answer: the socket is closed.)
+	DirectNotOpen = 0x02
 )
 
 // DirectHello is what an agent writes first on a direct socket.

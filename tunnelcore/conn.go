@@ -114,6 +114,9 @@ type Conn struct {
 	closedFlag  atomic.Bool   // Close or an abort ran (a socket read drops what it got after)
 	ended       chan struct{} // closed once c ends (markEnded)
 	endOnce     sync.Once
+	sockReaders atomic.Int32  // readers in a read of the direct socket (enterSocketRead)
+	readersGone chan struct{} // closed once none is left after Close (socketReadersGone)
+	readersOnce sync.Once
 	rdlAt       time.Time // the read deadline, for a socket attached later (under mu)
 	wdlAt       time.Time // the write deadline, likewise (under mu)
 
@@ -140,6 +143,7 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 		writeNotify: make(chan struct{}, 1),
 		wlock:       make(chan struct{}, 1),
 		ended:       make(chan struct{}),
+		readersGone: make(chan struct{}),
 		rdl:         makeDeadline(),
 		wdl:         makeDeadline(),
 		rwin:        newRecvWindow(InitialWindow),
@@ -781,7 +785,7 @@ func (c *Conn) Close() error {
 	sock := c.sock
 	c.mu.Unlock()
 	c.markEnded()
-	closeSocket(sock, false, peerDone)
+	closeSocket(sock, false, peerDone, c.socketReadersGone())
 
 	c.rdl.stop()
 	c.wdl.stop()
@@ -833,7 +837,7 @@ func (c *Conn) fail(err error, code tunnelpb.Error_Code, message string) {
 	sock := c.sock
 	c.mu.Unlock()
 	c.markEnded()
-	closeSocket(sock, true, false)
+	closeSocket(sock, true, false, nil)
 	runHook(hook)
 	c.wake()
 	c.s.purge(c)
@@ -991,7 +995,7 @@ func (c *Conn) onSessionEnd(err error) {
 	sock := c.sock
 	c.mu.Unlock()
 	c.markEnded()
-	closeSocket(sock, true, false)
+	closeSocket(sock, true, false, nil)
 	runHook(hook)
 	c.wake()
 }

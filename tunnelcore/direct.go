@@ -69,7 +69,7 @@ var ErrNotDirect = errors.New("connection cannot take a direct socket")
 // socket and got no answer in time: the peer may have taken it, and may
 // move its direction to it. The connection fails rather than wait on a
 // socket this end no longer has.
-var ErrPrefaceUnanswered = errors.New("direct socket preface sent, no answer")
+var ErrPrefaceUnanswered = errors.New("preface sent, no answer in time")
 
 // Opening direct sockets is bounded per session: at most
 // maxDirectDialing at once (each counts against the node's limit on
@@ -410,7 +410,11 @@ func (c *Conn) readDirect(p []byte) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	if !c.enterSocketRead() {
+		return 0, ErrConnClosed
+	}
 	n, err := sock.Read(p)
+	c.leaveSocketRead()
 	if c.closedFlag.Load() {
 		// Closed meanwhile: the bytes came after the Close.
 		return 0, ErrConnClosed
@@ -423,16 +427,41 @@ func (c *Conn) readDirect(p []byte) (int, error) {
 }
 
 // socketEOF records that the peer's direction ended on the socket and
-// returns io.EOF, or the peer's abort when it aborted (a FIN is not one
-// then: a TLS close_notify, a close that raced the abort).
+// returns io.EOF: a FIN is the end of a whole stream, also when the peer
+// aborted after it (as on the stream, where an abort after the FIN leaves
+// the buffered bytes and EOF to the reader). An abort resets the socket
+// instead of ending it.
 func (c *Conn) socketEOF() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.sockEOF = true
-	if pe, ok := c.peerErr.(*PeerError); ok && pe.Code != tunnelpb.Error_CANCELED {
-		return pe
-	}
 	return io.EOF
+}
+
+// enterSocketRead counts a reader of the direct socket; false: the
+// connection is closed, and no read may start (the linger reads alone).
+func (c *Conn) enterSocketRead() bool {
+	c.sockReaders.Add(1)
+	if c.closedFlag.Load() {
+		c.leaveSocketRead()
+		return false
+	}
+	return true
+}
+
+func (c *Conn) leaveSocketRead() {
+	if c.sockReaders.Add(-1) == 0 && c.closedFlag.Load() {
+		c.readersOnce.Do(func() { close(c.readersGone) })
+	}
+}
+
+// socketReadersGone returns a channel closed once no reader of the
+// direct socket is left (asked after closedFlag is set).
+func (c *Conn) socketReadersGone() <-chan struct{} {
+	if c.sockReaders.Load() == 0 {
+		c.readersOnce.Do(func() { close(c.readersGone) })
+	}
+	return c.readersGone
 }
 
 // writeDirectTo copies the direct socket to w until its end.
@@ -441,7 +470,11 @@ func (c *Conn) writeDirectTo(w io.Writer) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	if !c.enterSocketRead() {
+		return 0, ErrConnClosed
+	}
 	n, rerr, werr := copyCounted(w, sock, func(n int64) { c.countMoved(false, n) })
+	c.leaveSocketRead()
 	if rerr != nil {
 		return n, c.socketErr(rerr, true)
 	}
@@ -509,6 +542,9 @@ func (c *Conn) endErr(reading bool) error {
 	if c.werr != nil && c.werr != c.peerErr {
 		return c.werr
 	}
+	if c.wshut {
+		return ErrWriteClosed // CloseWrite shut the socket under a blocked write
+	}
 	return nil
 }
 
@@ -555,7 +591,7 @@ func (c *Conn) onPeerMoved() {
 // closing with bytes unread resets the connection, which can discard what
 // the peer has not read yet of what this end sent, and the peer stops
 // sending once it has the Close's CANCELED.
-func closeSocket(sock net.Conn, abort, peerDone bool) {
+func closeSocket(sock net.Conn, abort, peerDone bool, readersGone <-chan struct{}) {
 	if sock == nil {
 		return
 	}
@@ -579,13 +615,30 @@ func closeSocket(sock net.Conn, abort, peerDone bool) {
 		sock.Close()
 		return
 	}
-	// A reader blocked on the socket returns now (Close set its error);
-	// the deadline is never moved again.
+	// A reader blocked on the socket returns now (Close set its error).
 	sock.SetReadDeadline(time.Now())
-	time.AfterFunc(directLinger, func() {
+	go linger(sock, readersGone)
+}
+
+// linger reads and drops what still comes on a closed connection's
+// socket, once its own readers have returned (readersGone), until the
+// peer's FIN or directLinger, then closes it: closed with bytes unread,
+// the socket would be reset, and a reset discards what this end's send
+// queue still holds of what it wrote.
+func linger(sock net.Conn, readersGone <-chan struct{}) {
+	deadline := time.Now().Add(directLinger)
+	t := time.NewTimer(directLinger)
+	select {
+	case <-readersGone:
+	case <-t.C:
+	}
+	t.Stop()
+	sock.SetReadDeadline(deadline)
+	io.Copy(io.Discard, sock)
+	if tc := tcpConnOf(sock); tc != nil {
 		tc.Close()
-		sock.Close()
-	})
+	}
+	sock.Close()
 }
 
 // closeSocketWrite half-closes a direct socket: a FIN on its TCP socket.

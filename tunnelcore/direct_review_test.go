@@ -1,10 +1,12 @@
 package tunnelcore
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -272,5 +274,183 @@ func TestDirectMoveKeepsTheChargeOfBufferedBytes(t *testing.T) {
 	t.Logf("before the move: %d buffered, budget %d; after: %d buffered, budget %d", held, charged, nc.Buffered(), budget.InUse())
 	if nc.Buffered() > InitialWindow && budget.InUse() == 0 {
 		t.Fatalf("%d bytes above the initial window still buffered, budget charge 0", nc.Buffered()-InitialWindow)
+	}
+}
+
+// sockOf returns c's direct socket.
+func sockOf(c *Conn) net.Conn {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sock
+}
+
+// TestDirectFINThenAbortReadsEOF: the peer sends a whole stream, half-closes
+// it, then aborts. On the lane the reader gets every byte and EOF (an abort
+// after the FIN leaves them); on the socket it must too.
+func TestDirectFINThenAbortReadsEOF(t *testing.T) {
+	for _, direct := range []bool{false, true} {
+		var nc, ac *Conn
+		if direct {
+			nc, ac = movedPair(t)
+		} else {
+			node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, Config{})
+			nc, ac = openAccepted(t, node, agent)
+		}
+		data := bytes.Repeat([]byte("z"), 32<<10)
+		if _, err := ac.Write(data); err != nil {
+			t.Fatal(err)
+		}
+		if err := ac.CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		if direct {
+			eventually(t, 5*time.Second, "bytes and FIN acknowledged by the node's socket", func() bool { return unacked(sockOf(ac)) == 0 })
+		} else {
+			eventually(t, 5*time.Second, "FIN read", func() bool { nc.mu.Lock(); defer nc.mu.Unlock(); return nc.readEOF })
+		}
+		ac.Abort(tunnelpb.Error_RESET, "upstream reset after its full answer")
+		eventually(t, 5*time.Second, "the abort arrived", func() bool { return nc.peerErrOrNil() != nil })
+		got, err := io.ReadAll(nc)
+		if err != nil || len(got) != len(data) {
+			t.Errorf("direct=%v: a complete FIN'd stream read %d/%d bytes, err %v; want all, then EOF", direct, len(got), len(data), err)
+		}
+		nc.Close()
+	}
+}
+
+// TestDirectCloseWithUnreadBytesKeepsWhatWasWritten: Close right after a
+// Write, while the peer had sent bytes this end never read (a server that
+// answers an upload early): what was written reaches a peer that reads it
+// only after this end's socket is gone (a reset would have dropped it).
+func TestDirectCloseWithUnreadBytesKeepsWhatWasWritten(t *testing.T) {
+	node, agent := directPair(t, transport{"lane", lanePair}, 1, func(tc *net.TCPConn) { tc.SetReadBuffer(64 << 10) })
+	nc, ac := openAccepted(t, node, agent)
+	if _, err := ac.Write([]byte("a")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
+	if _, err := io.ReadFull(nc, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.Write(make([]byte, 64<<10)); err != nil { // never read by the agent
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte("q"), 3<<20)
+	wrote := make(chan error, 1)
+	sock := sockOf(ac)
+	go func() {
+		_, err := ac.Write(data)
+		if err == nil {
+			err = ac.Close()
+		}
+		wrote <- err
+	}()
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	// The slow reader starts once the agent closed its socket.
+	raw, _ := tcpConnOf(sock).SyscallConn()
+	eventually(t, 10*time.Second, "the agent's socket closed", func() bool { return raw.Control(func(uintptr) {}) != nil })
+	got, err := io.ReadAll(nc)
+	if len(got) != len(data) || err != nil {
+		t.Fatalf("bytes written before Close lost: read %d of %d, err %v", len(got), len(data), err)
+	}
+}
+
+// TestDirectConnEndingDuringDialKeepsTheSessionTrying: a connection that
+// ends while its direct socket opens gets the node's "not open" answer,
+// which leaves the session's other connections free to go direct.
+func TestDirectConnEndingDuringDialKeepsTheSessionTrying(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lis.Close() })
+	var nodeSess atomic.Pointer[Session]
+	go func() {
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				hello := make([]byte, tunnelpb.DirectHelloLength)
+				_, err := io.ReadFull(c, hello)
+				_, id, perr := tunnelpb.ParseDirectHello(hello)
+				if err != nil || perr != nil {
+					c.Close()
+					return
+				}
+				if err := nodeSess.Load().AttachDirect(id, c); err != nil {
+					c.Write([]byte{tunnelpb.DirectNotOpen}) // as the node's listener answers
+					c.Close()
+				}
+			}()
+		}
+	}()
+	gate := make(chan struct{})
+	agentCfg := Config{DirectAbove: 64 << 10, DirectDial: func(ctx context.Context, id uint64) (net.Conn, error) {
+		<-gate
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", lis.Addr().String())
+		if err != nil {
+			return nil, err
+		}
+		c.Write(tunnelpb.DirectHello(directKey, id))
+		var answer [1]byte
+		_, err = io.ReadFull(c, answer[:])
+		switch {
+		case err == nil && answer[0] == tunnelpb.LaneAccepted:
+			return c, nil
+		case err == nil && answer[0] == tunnelpb.DirectNotOpen:
+			err = ErrNotDirect // as the agent's presentHello maps it
+		case err == nil:
+			err = errors.New("unexpected answer")
+		}
+		c.Close()
+		return nil, err
+	}}
+	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, agentCfg)
+	nodeSess.Store(node)
+	nc, ac := openAccepted(t, node, agent)
+	go func() { ac.Write(make([]byte, 128<<10)); ac.Close() }()
+	io.ReadAll(nc)
+	nc.Close()
+	eventually(t, 5*time.Second, "the dial under way", func() bool { return ac.directState.Load() == directDialing })
+	eventually(t, 5*time.Second, "the node forgot the connection", func() bool { return node.NumConns() == 0 })
+	close(gate)
+	eventually(t, 5*time.Second, "the dial ended", func() bool { return ac.directState.Load() == directFailed })
+	if at := agent.directRetryAt.Load(); at > time.Now().UnixNano() {
+		t.Fatalf("a connection that ended during its dial held the session's direct sockets off for %v", time.Until(time.Unix(0, at)).Round(time.Second))
+	}
+}
+
+// TestDirectCloseWriteUnderABlockedWrite: CloseWrite while another
+// goroutine's Write waits on the socket ends that Write at once with
+// ErrWriteClosed, as on the lane.
+func TestDirectCloseWriteUnderABlockedWrite(t *testing.T) {
+	nc, ac := movedPair(t)
+	defer nc.Close()
+	defer ac.Close()
+	done := make(chan error, 1)
+	go func() {
+		buf := make([]byte, 1<<20)
+		for {
+			if _, err := nc.Write(buf); err != nil {
+				done <- err
+				return
+			}
+		}
+	}()
+	eventually(t, 5*time.Second, "the writer blocked on a full socket", func() bool { return unacked(sockOf(nc)) > 256<<10 })
+	start := time.Now()
+	nc.CloseWrite()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrWriteClosed) {
+			t.Fatalf("blocked Write after a concurrent CloseWrite: %v after %v; want ErrWriteClosed", err, time.Since(start))
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("blocked Write did not end after CloseWrite")
 	}
 }
