@@ -1,6 +1,7 @@
 package tunnelcore
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -741,7 +742,15 @@ func (c *Conn) CloseWrite() error {
 		sock := c.sock
 		c.mu.Unlock()
 		notify(c.writeNotify)
-		return c.socketErr(closeSocketWrite(sock), false)
+		if err := closeSocketWrite(sock); err != nil {
+			// The socket failed under it (the peer reset it): the peer's
+			// word if it came, else the socket's.
+			if pe := c.peerErrOrNil(); pe != nil {
+				return pe
+			}
+			return fmt.Errorf("direct socket: %w", err)
+		}
+		return nil
 	}
 	if c.werr != nil && !c.wclosed {
 		err := c.werr
@@ -783,6 +792,11 @@ func (c *Conn) Close() error {
 	c.dropBufferedLocked()
 	c.rwin.release(c.s.cfg.Budget)
 	sock := c.sock
+	if sock != nil {
+		// A reader blocked on the socket returns now (its error is set);
+		// under mu, so that no SetReadDeadline undoes it.
+		sock.SetReadDeadline(time.Now())
+	}
 	c.mu.Unlock()
 	c.markEnded()
 	closeSocket(sock, false, peerDone, c.socketReadersGone())
@@ -1104,11 +1118,12 @@ func (c *Conn) SetDeadline(t time.Time) error {
 func (c *Conn) SetReadDeadline(t time.Time) error {
 	c.rdl.set(t)
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	c.rdlAt = t
-	sock := c.sock
-	c.mu.Unlock()
-	if sock != nil {
-		sock.SetReadDeadline(t)
+	// Under mu, and not once closed: the socket's deadlines are then the
+	// close's (closeSocket, linger).
+	if c.sock != nil && !c.closed {
+		c.sock.SetReadDeadline(t)
 	}
 	return nil
 }
@@ -1117,11 +1132,10 @@ func (c *Conn) SetReadDeadline(t time.Time) error {
 func (c *Conn) SetWriteDeadline(t time.Time) error {
 	c.wdl.set(t)
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	c.wdlAt = t
-	sock := c.sock
-	c.mu.Unlock()
-	if sock != nil {
-		sock.SetWriteDeadline(t)
+	if c.sock != nil && !c.closed {
+		c.sock.SetWriteDeadline(t)
 	}
 	return nil
 }

@@ -438,6 +438,25 @@ func (c *Conn) socketEOF() error {
 	return io.EOF
 }
 
+// socketReader reads c's direct socket as one counted reader per Read
+// (enterSocketRead): a copy blocked writing elsewhere does not hold the
+// close's linger back.
+type socketReader struct {
+	c    *Conn
+	sock net.Conn
+}
+
+func (r *socketReader) Read(p []byte) (int, error) {
+	if !r.c.enterSocketRead() {
+		return 0, ErrConnClosed
+	}
+	defer r.c.leaveSocketRead()
+	return r.sock.Read(p)
+}
+
+// NetConn returns the socket (copyCounted asks it what waits).
+func (r *socketReader) NetConn() net.Conn { return r.sock }
+
 // enterSocketRead counts a reader of the direct socket; false: the
 // connection is closed, and no read may start (the linger reads alone).
 func (c *Conn) enterSocketRead() bool {
@@ -470,11 +489,7 @@ func (c *Conn) writeDirectTo(w io.Writer) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	if !c.enterSocketRead() {
-		return 0, ErrConnClosed
-	}
-	n, rerr, werr := copyCounted(w, sock, func(n int64) { c.countMoved(false, n) })
-	c.leaveSocketRead()
+	n, rerr, werr := copyCounted(w, &socketReader{c: c, sock: sock}, func(n int64) { c.countMoved(false, n) })
 	if rerr != nil {
 		return n, c.socketErr(rerr, true)
 	}
@@ -615,8 +630,6 @@ func closeSocket(sock net.Conn, abort, peerDone bool, readersGone <-chan struct{
 		sock.Close()
 		return
 	}
-	// A reader blocked on the socket returns now (Close set its error).
-	sock.SetReadDeadline(time.Now())
 	go linger(sock, readersGone)
 }
 

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -452,5 +453,98 @@ func TestDirectCloseWriteUnderABlockedWrite(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("blocked Write did not end after CloseWrite")
+	}
+}
+
+// socketClosed reports whether sock's file descriptor is closed.
+func socketClosed(sock net.Conn) bool {
+	raw, err := tcpConnOf(sock).SyscallConn()
+	return err != nil || raw.Control(func(uintptr) {}) != nil
+}
+
+// TestDirectDeadlineAfterCloseLeavesTheLingerBounded: a deadline set after
+// Close (a server clearing its deadlines on the way out) does not reach
+// the socket, whose close lingers at most directLinger.
+func TestDirectDeadlineAfterCloseLeavesTheLingerBounded(t *testing.T) {
+	node, agent := directPair(t, transport{"lane", lanePair}, 1<<40)
+	nc, ac := openAccepted(t, node, agent)
+	defer ac.Close()
+	attachBoth(t, node, nc, ac)
+	if _, err := nc.Write([]byte("y")); err != nil { // moves nc's direction only: the agent sends no FIN
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(ac, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	sock := sockOf(nc)
+	nc.Close()
+	nc.SetReadDeadline(time.Time{})
+	eventually(t, 3*directLinger, "the closed connection's socket closed", func() bool { return socketClosed(sock) })
+}
+
+// stuckWriter blocks every Write until release is closed; entered tells
+// that a Write began.
+type stuckWriter struct{ entered, release chan struct{} }
+
+func (w stuckWriter) Write(p []byte) (int, error) {
+	select {
+	case w.entered <- struct{}{}:
+	default:
+	}
+	<-w.release
+	return len(p), nil
+}
+
+// TestDirectCloseUnderAStuckWriteTo: a WriteTo blocked writing to its
+// destination does not hold the close's linger back, so what this end
+// wrote before Close reaches a peer that reads it after the socket closed.
+func TestDirectCloseUnderAStuckWriteTo(t *testing.T) {
+	node, agent := directPair(t, transport{"lane", lanePair}, 1, func(tc *net.TCPConn) { tc.SetReadBuffer(64 << 10) })
+	nc, ac := openAccepted(t, node, agent)
+	if _, err := ac.Write([]byte("a")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
+	if _, err := io.ReadFull(nc, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	w := stuckWriter{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	defer close(w.release)
+	go ac.WriteTo(w)
+	go nc.Write(make([]byte, 2<<20)) // the agent's WriteTo takes a piece, then sticks
+	select {
+	case <-w.entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the agent's WriteTo never wrote")
+	}
+	data := bytes.Repeat([]byte("q"), 3<<20)
+	if _, err := ac.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	sock := sockOf(ac)
+	ac.Close()
+	eventually(t, 3*directLinger, "the agent's socket closed", func() bool { return socketClosed(sock) })
+	got, err := io.ReadAll(nc)
+	if len(got) != len(data) || err != nil {
+		t.Fatalf("bytes written before Close lost: read %d of %d, err %v", len(got), len(data), err)
+	}
+}
+
+// TestDirectCloseWriteOnAResetSocket: CloseWrite on a socket the peer reset
+// reports the failure, not ErrWriteClosed.
+func TestDirectCloseWriteOnAResetSocket(t *testing.T) {
+	nc, ac := movedPair(t)
+	defer nc.Close()
+	tc := tcpConnOf(sockOf(ac))
+	tc.SetLinger(0)
+	tc.Close() // a reset, with no Error on the stream (a peer that died)
+	sock := sockOf(nc)
+	eventually(t, 5*time.Second, "the reset arrived", func() bool {
+		sock.SetReadDeadline(time.Now().Add(10 * time.Millisecond))
+		_, err := sock.Read(make([]byte, 1))
+		return errors.Is(err, syscall.ECONNRESET)
+	})
+	if err := nc.CloseWrite(); errors.Is(err, ErrWriteClosed) {
+		t.Fatalf("CloseWrite on a reset socket = %v; want the failure", err)
 	}
 }

@@ -20,6 +20,9 @@ func unacked(c net.Conn) int {
 
 // sockIoctl reads an int ioctl of c's TCP socket, or returns otherwise.
 func sockIoctl(c any, req uintptr, otherwise int) int {
+	if u, ok := c.(interface{ NetConn() net.Conn }); ok {
+		c = u.NetConn()
+	}
 	nc, ok := c.(net.Conn)
 	if !ok {
 		return otherwise
