@@ -6,8 +6,6 @@ import (
 	"flag"
 	"io"
 	"net"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -16,42 +14,8 @@ import (
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
-// TestDisableDirectSocketsLayers: disable_direct_sockets comes from the
-// config file, the environment and the flag, in that order of precedence.
-func TestDisableDirectSocketsLayers(t *testing.T) {
-	dir := t.TempDir()
-	file := filepath.Join(dir, "agent.yaml")
-	yaml := "server: grpc://n:1\ntoken: t\ndisable_direct_sockets: true\nupstreams:\n  - host: a\n    target: http://a:1\n"
-	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct {
-		name string
-		args []string
-		env  map[string]string
-		want bool
-	}{
-		{"file", []string{"-config", file}, nil, true},
-		{"env over file", []string{"-config", file}, map[string]string{EnvDisableDirect: "false"}, false},
-		{"flag over env", []string{"-config", file, "-disable-direct-sockets"}, map[string]string{EnvDisableDirect: "false"}, true},
-		{"flag false over file", []string{"-config", file, "-disable-direct-sockets=false"}, nil, false},
-		{"env alone", []string{"-server", "grpc://n:1", "-token", "t", "-upstream", "a=http://a:1"}, map[string]string{EnvDisableDirect: "1"}, true},
-	} {
-		c, err := ParseFlags(tc.args, envFunc(tc.env))
-		if err != nil {
-			t.Fatalf("%s: %v", tc.name, err)
-		}
-		if c.DisableDirectSockets != tc.want {
-			t.Errorf("%s: DisableDirectSockets %v, want %v", tc.name, c.DisableDirectSockets, tc.want)
-		}
-	}
-	if _, err := ParseFlags([]string{"-server", "grpc://n:1", "-token", "t", "-upstream", "a=http://a:1"}, envFunc(map[string]string{EnvDisableDirect: "sometimes"})); err == nil {
-		t.Errorf("bad %s accepted", EnvDisableDirect)
-	}
-}
-
 // The usage's environment list names every variable.
-func TestHelpListsDirectSocketsEnv(t *testing.T) {
+func TestHelpListsEveryEnvironmentVariable(t *testing.T) {
 	_, err := ParseFlags([]string{"-h"}, envFunc(nil))
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatal(err)
@@ -63,8 +27,11 @@ func TestHelpListsDirectSocketsEnv(t *testing.T) {
 	}
 	list := u[i:]
 	list = list[:strings.Index(list, "\n\n")]
-	if !strings.Contains(list, EnvDisableDirect) {
-		t.Fatalf("the environment list omits %s:\n%s", EnvDisableDirect, list)
+	for _, env := range []string{EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile, EnvLogLevel,
+		EnvMaxConnections, EnvUpstreams, EnvTunnelBudget, EnvShutdownGrace, EnvDisableLane, EnvDisableDirect} {
+		if !strings.Contains(list, env) {
+			t.Errorf("the environment list omits %s:\n%s", env, list)
+		}
 	}
 }
 

@@ -342,32 +342,45 @@ func TestUpstreamErrorsNameTheirSource(t *testing.T) {
 	}
 }
 
-// TestDisableDataLaneLayers: the setting comes from the file, the
-// environment and the flag, each over the one before.
-func TestDisableDataLaneLayers(t *testing.T) {
-	dir := t.TempDir()
-	file := filepath.Join(dir, "agent.yaml")
-	yaml := "server: grpc://n:1\ntoken: t\ndisable_data_lane: true\nupstreams:\n  - host: a\n    target: http://a:1\n"
-	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct {
-		name string
-		args []string
-		env  map[string]string
-		want bool
+// TestDisableSwitchesLayers: disable_data_lane and disable_direct_sockets
+// come from the file, the environment and the flag, each over the one
+// before; an environment value that is not a boolean is refused.
+func TestDisableSwitchesLayers(t *testing.T) {
+	for _, sw := range []struct {
+		key, flag, env string
+		get            func(*Config) bool
 	}{
-		{"file", []string{"-config", file}, nil, true},
-		{"env over file", []string{"-config", file}, map[string]string{EnvDisableLane: "false"}, false},
-		{"flag over env", []string{"-config", file, "-disable-data-lane"}, map[string]string{EnvDisableLane: "false"}, true},
-		{"flag false over file", []string{"-config", file, "-disable-data-lane=false"}, nil, false},
+		{"disable_data_lane", "-disable-data-lane", EnvDisableLane, func(c *Config) bool { return c.DisableDataLane }},
+		{"disable_direct_sockets", "-disable-direct-sockets", EnvDisableDirect, func(c *Config) bool { return c.DisableDirectSockets }},
 	} {
-		c, err := ParseFlags(tc.args, envFunc(tc.env))
-		if err != nil {
-			t.Fatalf("%s: %v", tc.name, err)
+		file := filepath.Join(t.TempDir(), "agent.yaml")
+		yaml := "server: grpc://n:1\ntoken: t\n" + sw.key + ": true\nupstreams:\n  - host: a\n    target: http://a:1\n"
+		if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
+			t.Fatal(err)
 		}
-		if c.DisableDataLane != tc.want {
-			t.Errorf("%s: DisableDataLane %v, want %v", tc.name, c.DisableDataLane, tc.want)
+		noFile := []string{"-server", "grpc://n:1", "-token", "t", "-upstream", "a=http://a:1"}
+		for _, tc := range []struct {
+			name string
+			args []string
+			env  map[string]string
+			want bool
+		}{
+			{"file", []string{"-config", file}, nil, true},
+			{"env over file", []string{"-config", file}, map[string]string{sw.env: "false"}, false},
+			{"flag over env", []string{"-config", file, sw.flag}, map[string]string{sw.env: "false"}, true},
+			{"flag false over file", []string{"-config", file, sw.flag + "=false"}, nil, false},
+			{"env alone", noFile, map[string]string{sw.env: "1"}, true},
+		} {
+			c, err := ParseFlags(tc.args, envFunc(tc.env))
+			if err != nil {
+				t.Fatalf("%s, %s: %v", sw.key, tc.name, err)
+			}
+			if got := sw.get(c); got != tc.want {
+				t.Errorf("%s, %s: %v, want %v", sw.key, tc.name, got, tc.want)
+			}
+		}
+		if _, err := ParseFlags(noFile, envFunc(map[string]string{sw.env: "sometimes"})); err == nil {
+			t.Errorf("bad %s accepted", sw.env)
 		}
 	}
 }

@@ -20,12 +20,11 @@ import (
 // (ca_file) connects over TLS, and requests reach its upstream. Both ends'
 // stall watchdogs read the TLS connection's socket progress.
 func TestTLSControlPlane(t *testing.T) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile), CaptureLog: true}, siteAll)
+	tn := newTLSNode(t)
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option(), CaptureLog: true}, siteAll)
 	up := startUpstream(t, "tls-app")
-	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
-	a, logs := launchAgentLogged(t, serverURL, "tls-agent", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+	serverURL := grpcsURL(c)
+	a, logs := launchAgentLogged(t, serverURL, "tls-agent", testToken, tn.trust,
 		true, agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, a)
 
@@ -102,7 +101,7 @@ func TestTLSControlPlaneReload(t *testing.T) {
 	certB, keyB, derB := selfSignedCert(t, openssl, "sluice-node-b", "localhost,IP:127.0.0.1")
 	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certA, keyA)}, siteAll)
 	up := startUpstream(t, "tls-app")
-	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
+	serverURL := grpcsURL(c)
 	a := startAgentWith(t, serverURL, "tls-agent", func(cfg *agent.Config) { cfg.CAFile = certA },
 		agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, a)
@@ -151,13 +150,12 @@ func controlPlaneLeaf(t *testing.T, c *caddyServer) []byte {
 // plane, grpcs:// without trusting its certificate, Caddy's HTTP site port
 // instead of the control plane's, and grpcs:// against a plaintext port.
 func TestConnectionErrorsSayWhatToCheck(t *testing.T) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile)}, siteAll)
+	tn := newTLSNode(t)
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option()}, siteAll)
 	site := fmt.Sprintf("127.0.0.1:%d", c.httpPort)
 	for _, tc := range []struct{ name, server, hint string }{
 		{"plaintext to TLS", c.serverURL(), "use grpcs://"},
-		{"untrusted certificate", strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1), "ca_file"},
+		{"untrusted certificate", grpcsURL(c), "ca_file"},
 		{"the HTTP site's port", "grpc://" + site, "not as a sluice control plane"},
 		{"TLS to plaintext", "grpcs://" + site, "does not speak TLS"},
 	} {
@@ -174,3 +172,30 @@ func TestConnectionErrorsSayWhatToCheck(t *testing.T) {
 		})
 	}
 }
+
+// tlsNode is the TLS of a control plane on 127.0.0.1: a self-signed
+// certificate's files (the test is skipped without openssl).
+type tlsNode struct{ cert, key string }
+
+func newTLSNode(t *testing.T) tlsNode {
+	openssl := needCommand(t, "openssl")
+	cert, key, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
+	return tlsNode{cert: cert, key: key}
+}
+
+// option is the sluice global option's body with this TLS, then extra lines.
+func (n tlsNode) option(extra ...string) string {
+	s := fmt.Sprintf("tls %s %s", n.cert, n.key)
+	for _, line := range extra {
+		if line != "" {
+			s += "\n\t\t" + line
+		}
+	}
+	return s
+}
+
+// trust makes an agent trust the node's certificate.
+func (n tlsNode) trust(cfg *agent.Config) { cfg.CAFile = n.cert }
+
+// grpcsURL is c's control plane address for an agent over TLS.
+func grpcsURL(c *caddyServer) string { return strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1) }

@@ -60,12 +60,11 @@ func parallelDownloads(t *testing.T, c *caddyServer, host string, n int, size in
 // listener guard's max_pending_streams_per_address, which must not refuse
 // them.
 func TestDirectBurstWithinThePendingGuard(t *testing.T) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s\n\t\tmax_pending_streams_per_address 4", certFile, keyFile), CaptureLog: true}, siteAll)
+	tn := newTLSNode(t)
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option("max_pending_streams_per_address 4"), CaptureLog: true}, siteAll)
 	up := startUpstream(t, "app")
-	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
-	a, _ := launchAgentLogged(t, serverURL, "burst", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+	serverURL := grpcsURL(c)
+	a, _ := launchAgentLogged(t, serverURL, "burst", testToken, tn.trust,
 		false, agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, a)
 	const n = 12
@@ -193,12 +192,11 @@ func barrierUpstream(t testing.TB, n int, size int) string {
 }
 
 func burst(t *testing.T, pendingPerAddr string, n int) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s\n\t\t%s", certFile, keyFile, pendingPerAddr), CaptureLog: true}, siteAll)
+	tn := newTLSNode(t)
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option(pendingPerAddr), CaptureLog: true}, siteAll)
 	up := barrierUpstream(t, n, 4<<20)
-	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
-	a, _ := launchAgentLogged(t, serverURL, "burst", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+	serverURL := grpcsURL(c)
+	a, _ := launchAgentLogged(t, serverURL, "burst", testToken, tn.trust,
 		false, agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, a)
 	var wg sync.WaitGroup
@@ -233,35 +231,18 @@ func burst(t *testing.T, pendingPerAddr string, n int) {
 func TestDirectBurstPendingLimit4(t *testing.T)  { burst(t, "max_pending_streams_per_address 4", 12) }
 func TestDirectBurstPendingDefault(t *testing.T) { burst(t, "", 40) }
 
-// bigFirstHandler sends size bytes, half-closes, then reports the digest of
-// what it reads until EOF.
-func bigFirstHandler(size int, reports chan<- string) func(net.Conn) {
-	return func(c net.Conn) {
-		buf := make([]byte, size)
-		c.Write(buf)
-		c.(*net.TCPConn).CloseWrite()
-		b, err := io.ReadAll(c)
-		if err != nil {
-			reports <- "error: " + err.Error()
-			return
-		}
-		reports <- digest(b)
-	}
-}
-
 // Half-close in both directions on direct sockets over a TLS control plane.
 func TestDirectHalfCloseOverTLS(t *testing.T) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
+	tn := newTLSNode(t)
 	count := serveTCP(t, countHandler)
 	reports := make(chan string, 4)
 	const size = 4 << 20
-	first := serveTCP(t, bigFirstHandler(size, reports))
+	first := serveTCP(t, halfCloseFirstHandler(make([]byte, size), reports))
 	pCount, pFirst := freePort(t), freePort(t)
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile),
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option(),
 		Global: portRangeGlobal(min(pCount, pFirst), max(pCount, pFirst))}, "")
-	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
-	a, _ := launchAgentLogged(t, serverURL, "tls-hc", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile }, false,
+	serverURL := grpcsURL(c)
+	a, _ := launchAgentLogged(t, serverURL, "tls-hc", testToken, tn.trust, false,
 		agent.Upstream{ListenPort: pCount, Target: tcpTarget(count)},
 		agent.Upstream{ListenPort: pFirst, Target: tcpTarget(first)})
 	waitConnected(t, a)

@@ -70,12 +70,11 @@ func checkUpload(t testing.TB, c *caddyServer, host string, size int64) {
 // runs the same TLS handshake as the lane, and a download through it
 // arrives intact.
 func TestDirectSocketsOverTLS(t *testing.T) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile)}, siteAll)
+	tn := newTLSNode(t)
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option()}, siteAll)
 	up := startUpstream(t, "tls-app")
-	serverURL := strings.Replace(c.serverURL(), "grpc://", "grpcs://", 1)
-	a, _ := launchAgentLogged(t, serverURL, "tls-direct", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+	serverURL := grpcsURL(c)
+	a, _ := launchAgentLogged(t, serverURL, "tls-direct", testToken, tn.trust,
 		false, agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, a)
 	checkDownload(t, c, "app.test", 32<<20)

@@ -138,12 +138,11 @@ func TestReloadTurnsTheLaneOffForNewSessionsOnly(t *testing.T) {
 // TestTLSLaneThatCannotOpenFallsBack is TestLaneThatCannotOpenFallsBack
 // over grpcs://: the lane's TLS handshake meets a closed connection.
 func TestTLSLaneThatCannotOpenFallsBack(t *testing.T) {
-	openssl := needCommand(t, "openssl")
-	certFile, keyFile, _ := selfSignedCert(t, openssl, "sluice-node", "localhost,IP:127.0.0.1")
-	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tls %s %s", certFile, keyFile), CaptureLog: true}, siteAll)
+	tn := newTLSNode(t)
+	c := startCaddyWith(t, caddyOptions{Sluice: tn.option(), CaptureLog: true}, siteAll)
 	up := startUpstream(t, "app")
 	fwd := firstConnOnly(t, fmt.Sprintf("127.0.0.1:%d", c.controlPort))
-	a, logs := launchAgentLogged(t, "grpcs://"+fwd, "tls-behind-lb", testToken, func(cfg *agent.Config) { cfg.CAFile = certFile },
+	a, logs := launchAgentLogged(t, "grpcs://"+fwd, "tls-behind-lb", testToken, tn.trust,
 		true, agent.Upstream{Host: "app.test", Target: up})
 	waitConnected(t, a)
 	assertConnectedSays(t, c, logs, "tls-behind-lb", "data_lane", false)

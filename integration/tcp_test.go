@@ -658,11 +658,11 @@ func TestTCPNoRouteClosesPromptly(t *testing.T) {
 	})
 }
 
-// halfCloseFirstHandler writes a greeting and half-closes, then reads the
+// halfCloseFirstHandler writes greeting and half-closes, then reads the
 // client's data until EOF and reports its digest.
-func halfCloseFirstHandler(reports chan<- string) func(net.Conn) {
+func halfCloseFirstHandler(greeting []byte, reports chan<- string) func(net.Conn) {
 	return func(c net.Conn) {
-		io.WriteString(c, "hello\n")
+		c.Write(greeting)
 		c.(*net.TCPConn).CloseWrite()
 		b, err := io.ReadAll(c)
 		if err != nil {
@@ -676,7 +676,7 @@ func halfCloseFirstHandler(reports chan<- string) func(net.Conn) {
 func TestHalfCloseThroughTCP(t *testing.T) {
 	count := serveTCP(t, countHandler)
 	reports := make(chan string, 8)
-	first := serveTCP(t, halfCloseFirstHandler(reports))
+	first := serveTCP(t, halfCloseFirstHandler([]byte("hello\n"), reports))
 	pCount, pFirst := freePort(t), freePort(t)
 	l4Count, l4First, ppCount, ppFirst := freePort(t), freePort(t), freePort(t), freePort(t)
 	l4 := func(port int, route string, pp bool) string {

@@ -1071,12 +1071,14 @@ func runHook(f func()) {
 func (c *Conn) awaitSent(d time.Duration) {
 	deadline := time.Now().Add(d)
 	c.mu.Lock()
-	var sock net.Conn
+	unacked := func() int { return 0 }
 	if c.wmoved {
-		sock = c.sock
+		if q := sendQueue(c.sock); q != nil {
+			unacked = q
+		}
 	}
 	c.mu.Unlock()
-	for (c.queued.Load() > 0 || (sock != nil && unacked(sock) > 0)) && !c.isBroken() && time.Now().Before(deadline) {
+	for (c.queued.Load() > 0 || unacked() > 0) && !c.isBroken() && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond) // an error path's bounded wait: polling is enough
 	}
 }

@@ -314,7 +314,11 @@ func (c *Conn) writeDirect(sock net.Conn, p []byte) (int, error) {
 
 // readFromDirect copies r to the direct socket until r's end.
 func (c *Conn) readFromDirect(sock net.Conn, r io.Reader) (int64, error) {
-	n, rerr, werr := copyCounted(sock, r, func(n int64) { c.countMoved(true, n) })
+	var inq func() int
+	if rc, ok := r.(net.Conn); ok {
+		inq = readQueue(rc)
+	}
+	n, rerr, werr := copyCounted(sock, r, inq, func(n int64) { c.countMoved(true, n) })
 	if werr != nil {
 		return n, c.socketErr(werr, false)
 	}
@@ -339,9 +343,9 @@ const (
 // of page fragments, and reading those cost Caddy more than the copy
 // spared the agent (bench/README.md, "Direct sockets"); and a splice
 // returns only once its whole count moved, which a trickle takes long to.
-func copyCounted(dst io.Writer, src io.Reader, count func(int64)) (total int64, rerr, werr error) {
+func copyCounted(dst io.Writer, src io.Reader, inq func() int, count func(int64)) (total int64, rerr, werr error) {
 	for {
-		buf := bufferPool.Get(copyBufferFor(waiting(src)))
+		buf := bufferPool.Get(copyBufferFor(inq))
 		n, err := src.Read(*buf)
 		if n > 0 {
 			m, err := dst.Write((*buf)[:n])
@@ -365,13 +369,13 @@ func copyCounted(dst io.Writer, src io.Reader, count func(int64)) (total int64, 
 	}
 }
 
-// copyBufferFor is the buffer size for a read when n bytes wait (-1: not
-// known).
-func copyBufferFor(n int) int {
+// copyBufferFor is the buffer size for the next read, given what waits
+// in the source's socket (inq; nil: not known).
+func copyBufferFor(inq func() int) int {
 	switch {
-	case n < 0:
+	case inq == nil:
 		return copyBufferMedium
-	case n > copyBufferSmall:
+	case inq() > copyBufferSmall:
 		return copyBufferLarge
 	}
 	return copyBufferSmall
@@ -454,9 +458,6 @@ func (r *socketReader) Read(p []byte) (int, error) {
 	return r.sock.Read(p)
 }
 
-// NetConn returns the socket (copyCounted asks it what waits).
-func (r *socketReader) NetConn() net.Conn { return r.sock }
-
 // enterSocketRead counts a reader of the direct socket; false: the
 // connection is closed, and no read may start (the linger reads alone).
 func (c *Conn) enterSocketRead() bool {
@@ -489,7 +490,7 @@ func (c *Conn) writeDirectTo(w io.Writer) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	n, rerr, werr := copyCounted(w, &socketReader{c: c, sock: sock}, func(n int64) { c.countMoved(false, n) })
+	n, rerr, werr := copyCounted(w, &socketReader{c: c, sock: sock}, readQueue(sock), func(n int64) { c.countMoved(false, n) })
 	if rerr != nil {
 		return n, c.socketErr(rerr, true)
 	}
@@ -610,17 +611,12 @@ func closeSocket(sock net.Conn, abort, peerDone bool, readersGone <-chan struct{
 	if sock == nil {
 		return
 	}
-	tc := tcpConnOf(sock)
-	if tc == nil {
-		sock.Close()
+	if abort {
+		resetSocket(sock)
 		return
 	}
-	if abort {
-		// The TCP socket first: a TLS conn closed first writes a
-		// close_notify, which its peer reads as a clean EOF, and which
-		// blocks on a peer that stopped reading.
-		tc.SetLinger(0)
-		tc.Close()
+	tc := tcpConnOf(sock)
+	if tc == nil {
 		sock.Close()
 		return
 	}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -18,7 +17,29 @@ import (
 // direct socket, with the first bytes of each read.
 func movedPair(t *testing.T) (nc, ac *Conn) {
 	t.Helper()
-	node, agent := directPair(t, transport{"lane", lanePair}, 1)
+	return movedPairWith(t, directOpts{})
+}
+
+// attachedPair returns a connection whose ends both have their direct
+// socket (the agent's first byte read; only its direction moved).
+func attachedPair(t *testing.T, tune ...func(*net.TCPConn)) (nc, ac *Conn) {
+	t.Helper()
+	node, agent := directPair(t, transport{"lane", lanePair}, 1, tune...)
+	nc, ac = openAccepted(t, node, agent)
+	if _, err := ac.Write([]byte("a")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
+	if _, err := io.ReadFull(nc, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	return nc, ac
+}
+
+// movedPairWith is movedPair with opts (TLS: tlsDirect).
+func movedPairWith(t *testing.T, opts directOpts) (nc, ac *Conn) {
+	t.Helper()
+	node, agent := directPairWith(t, transport{"lane", lanePair}, 1, opts)
 	nc, ac = openAccepted(t, node, agent)
 	if _, err := ac.Write([]byte("a")); err != nil {
 		t.Fatal(err)
@@ -52,19 +73,30 @@ func movedPair(t *testing.T) (nc, ac *Conn) {
 // The peer's abort of a moved connection: the reader of the moved
 // direction must report the peer's RESET (proto/README §2.5).
 func TestDirectPeerAbortOnAMovedDirection(t *testing.T) {
-	nc, ac := movedPair(t)
-	defer nc.Close()
-	done := make(chan error, 1)
-	go func() { _, err := nc.Read(make([]byte, 10)); done <- err }()
-	ac.Abort(tunnelpb.Error_RESET, "upstream reset")
-	select {
-	case err := <-done:
-		var pe *PeerError
-		if !errors.As(err, &pe) || pe.Code != tunnelpb.Error_RESET {
-			t.Fatalf("read after the peer's abort = %v; want its RESET", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("read hung")
+	for _, tc := range []struct {
+		name string
+		opts func(t *testing.T) directOpts
+	}{
+		{"plaintext", func(*testing.T) directOpts { return directOpts{} }},
+		// Under TLS a close_notify would read as a clean EOF.
+		{"tls", tlsDirect},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			nc, ac := movedPairWith(t, tc.opts(t))
+			defer nc.Close()
+			done := make(chan error, 1)
+			go func() { _, err := nc.Read(make([]byte, 10)); done <- err }()
+			ac.Abort(tunnelpb.Error_RESET, "upstream cut the response short")
+			select {
+			case err := <-done:
+				var pe *PeerError
+				if !errors.As(err, &pe) || pe.Code != tunnelpb.Error_RESET {
+					t.Fatalf("read after the peer's abort = %v; want its RESET", err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("read hung")
+			}
+		})
 	}
 }
 
@@ -305,7 +337,7 @@ func TestDirectFINThenAbortReadsEOF(t *testing.T) {
 			t.Fatal(err)
 		}
 		if direct {
-			eventually(t, 5*time.Second, "bytes and FIN acknowledged by the node's socket", func() bool { return unacked(sockOf(ac)) == 0 })
+			eventually(t, 5*time.Second, "bytes and FIN acknowledged by the node's socket", func() bool { return sendQueue(sockOf(ac))() == 0 })
 		} else {
 			eventually(t, 5*time.Second, "FIN read", func() bool { nc.mu.Lock(); defer nc.mu.Unlock(); return nc.readEOF })
 		}
@@ -324,15 +356,9 @@ func TestDirectFINThenAbortReadsEOF(t *testing.T) {
 // answers an upload early): what was written reaches a peer that reads it
 // only after this end's socket is gone (a reset would have dropped it).
 func TestDirectCloseWithUnreadBytesKeepsWhatWasWritten(t *testing.T) {
-	node, agent := directPair(t, transport{"lane", lanePair}, 1, func(tc *net.TCPConn) { tc.SetReadBuffer(64 << 10) })
-	nc, ac := openAccepted(t, node, agent)
-	if _, err := ac.Write([]byte("a")); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
-	if _, err := io.ReadFull(nc, make([]byte, 1)); err != nil {
-		t.Fatal(err)
-	}
+	// The node's socket takes little at a time: what the agent writes
+	// waits in the agent's socket.
+	nc, ac := attachedPair(t, func(tc *net.TCPConn) { tc.SetReadBuffer(64 << 10) })
 	if _, err := nc.Write(make([]byte, 64<<10)); err != nil { // never read by the agent
 		t.Fatal(err)
 	}
@@ -350,8 +376,7 @@ func TestDirectCloseWithUnreadBytesKeepsWhatWasWritten(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The slow reader starts once the agent closed its socket.
-	raw, _ := tcpConnOf(sock).SyscallConn()
-	eventually(t, 10*time.Second, "the agent's socket closed", func() bool { return raw.Control(func(uintptr) {}) != nil })
+	eventually(t, 10*time.Second, "the agent's socket closed", func() bool { return socketClosed(sock) })
 	got, err := io.ReadAll(nc)
 	if len(got) != len(data) || err != nil {
 		t.Fatalf("bytes written before Close lost: read %d of %d, err %v", len(got), len(data), err)
@@ -362,57 +387,8 @@ func TestDirectCloseWithUnreadBytesKeepsWhatWasWritten(t *testing.T) {
 // ends while its direct socket opens gets the node's "not open" answer,
 // which leaves the session's other connections free to go direct.
 func TestDirectConnEndingDuringDialKeepsTheSessionTrying(t *testing.T) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { lis.Close() })
-	var nodeSess atomic.Pointer[Session]
-	go func() {
-		for {
-			c, err := lis.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				hello := make([]byte, tunnelpb.DirectHelloLength)
-				_, err := io.ReadFull(c, hello)
-				_, id, perr := tunnelpb.ParseDirectHello(hello)
-				if err != nil || perr != nil {
-					c.Close()
-					return
-				}
-				if err := nodeSess.Load().AttachDirect(id, c); err != nil {
-					c.Write([]byte{tunnelpb.DirectNotOpen}) // as the node's listener answers
-					c.Close()
-				}
-			}()
-		}
-	}()
 	gate := make(chan struct{})
-	agentCfg := Config{DirectAbove: 64 << 10, DirectDial: func(ctx context.Context, id uint64) (net.Conn, error) {
-		<-gate
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "tcp", lis.Addr().String())
-		if err != nil {
-			return nil, err
-		}
-		c.Write(tunnelpb.DirectHello(directKey, id))
-		var answer [1]byte
-		_, err = io.ReadFull(c, answer[:])
-		switch {
-		case err == nil && answer[0] == tunnelpb.LaneAccepted:
-			return c, nil
-		case err == nil && answer[0] == tunnelpb.DirectNotOpen:
-			err = ErrNotDirect // as the agent's presentHello maps it
-		case err == nil:
-			err = errors.New("unexpected answer")
-		}
-		c.Close()
-		return nil, err
-	}}
-	node, agent := sessionPair(t, transport{"lane", lanePair}, Config{}, agentCfg)
-	nodeSess.Store(node)
+	node, agent := directPairWith(t, transport{"lane", lanePair}, 64<<10, directOpts{beforeDial: gate})
 	nc, ac := openAccepted(t, node, agent)
 	go func() { ac.Write(make([]byte, 128<<10)); ac.Close() }()
 	io.ReadAll(nc)
@@ -443,7 +419,7 @@ func TestDirectCloseWriteUnderABlockedWrite(t *testing.T) {
 			}
 		}
 	}()
-	eventually(t, 5*time.Second, "the writer blocked on a full socket", func() bool { return unacked(sockOf(nc)) > 256<<10 })
+	eventually(t, 5*time.Second, "the writer blocked on a full socket", func() bool { return sendQueue(sockOf(nc))() > 256<<10 })
 	start := time.Now()
 	nc.CloseWrite()
 	select {
@@ -499,15 +475,9 @@ func (w stuckWriter) Write(p []byte) (int, error) {
 // destination does not hold the close's linger back, so what this end
 // wrote before Close reaches a peer that reads it after the socket closed.
 func TestDirectCloseUnderAStuckWriteTo(t *testing.T) {
-	node, agent := directPair(t, transport{"lane", lanePair}, 1, func(tc *net.TCPConn) { tc.SetReadBuffer(64 << 10) })
-	nc, ac := openAccepted(t, node, agent)
-	if _, err := ac.Write([]byte("a")); err != nil {
-		t.Fatal(err)
-	}
-	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
-	if _, err := io.ReadFull(nc, make([]byte, 1)); err != nil {
-		t.Fatal(err)
-	}
+	// The node's socket takes little at a time: what the agent writes
+	// waits in the agent's socket.
+	nc, ac := attachedPair(t, func(tc *net.TCPConn) { tc.SetReadBuffer(64 << 10) })
 	w := stuckWriter{entered: make(chan struct{}, 1), release: make(chan struct{})}
 	defer close(w.release)
 	go ac.WriteTo(w)

@@ -23,7 +23,14 @@ const directKey = "0123456789abcdef0123456789abcdef"
 // control listener does. above is the agent's DirectAbove; tune, if set,
 // tunes the node's end of each direct socket.
 func directPair(t *testing.T, tr transport, above int64, tune ...func(*net.TCPConn)) (node, agent *Session) {
-	return directPairOver(t, tr, above, nil, tune...)
+	return directPairWith(t, tr, above, directOpts{tune: tune})
+}
+
+// directOpts varies directPair's sockets.
+type directOpts struct {
+	wrap       *socketWrap          // nil: plaintext
+	tune       []func(*net.TCPConn) // applied to the node's end
+	beforeDial <-chan struct{}      // nil, or the agent's dials wait for it
 }
 
 // socketWrap wraps both ends of a direct socket (TLS), the server's first.
@@ -31,9 +38,10 @@ type socketWrap struct {
 	server, client func(raw net.Conn) net.Conn
 }
 
-// directPairOver is directPair with each direct socket wrapped by wrap
-// (nil: plaintext), as the agent's dialLane and the node's laneCreds do.
-func directPairOver(t *testing.T, tr transport, above int64, wrap *socketWrap, tune ...func(*net.TCPConn)) (node, agent *Session) {
+// directPairWith is directPair with opts. The listener answers as the
+// node's does (0x01, or 0x02 for a connection not open), and the dial
+// reads the answer as the agent's presentHello does.
+func directPairWith(t *testing.T, tr transport, above int64, opts directOpts) (node, agent *Session) {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -47,49 +55,75 @@ func directPairOver(t *testing.T, tr transport, above int64, wrap *socketWrap, t
 			if err != nil {
 				return
 			}
-			for _, f := range tune {
+			for _, f := range opts.tune {
 				f(raw.(*net.TCPConn))
 			}
-			go func() {
-				var c net.Conn = raw
-				if wrap != nil {
-					c = wrap.server(raw)
-				}
-				hello := make([]byte, tunnelpb.DirectHelloLength)
-				c.SetReadDeadline(time.Now().Add(5 * time.Second))
-				_, err := io.ReadFull(c, hello)
-				c.SetReadDeadline(time.Time{})
-				key, id, perr := tunnelpb.ParseDirectHello(hello)
-				if err != nil || perr != nil || key != directKey || nodeSess.Load().AttachDirect(id, OverSocket(c, raw)) != nil {
-					c.Close()
-				}
-			}()
+			go serveDirectSocket(raw, opts.wrap, &nodeSess)
 		}
 	}()
 	agentCfg := Config{DirectAbove: above, DirectDial: func(ctx context.Context, id uint64) (net.Conn, error) {
-		var d net.Dialer
-		raw, err := d.DialContext(ctx, "tcp", lis.Addr().String())
-		if err != nil {
-			return nil, err
+		if opts.beforeDial != nil {
+			<-opts.beforeDial
 		}
-		c := raw
-		if wrap != nil {
-			c = wrap.client(raw)
-		}
-		if _, err := c.Write(tunnelpb.DirectHello(directKey, id)); err != nil {
-			c.Close()
-			return nil, err
-		}
-		var answer [1]byte
-		if _, err := io.ReadFull(c, answer[:]); err != nil || answer[0] != tunnelpb.LaneAccepted {
-			c.Close()
-			return nil, errors.New("direct socket refused")
-		}
-		return OverSocket(c, raw), nil
+		return dialDirectSocket(ctx, lis.Addr().String(), opts.wrap, id)
 	}}
 	node, agent = sessionPair(t, tr, Config{}, agentCfg)
 	nodeSess.Store(node)
 	return node, agent
+}
+
+// serveDirectSocket reads a direct socket's preface and gives it to the
+// node session's connection, as the node's laneCreds does.
+func serveDirectSocket(raw net.Conn, wrap *socketWrap, node *atomic.Pointer[Session]) {
+	var c net.Conn = raw
+	if wrap != nil {
+		c = wrap.server(raw)
+	}
+	hello := make([]byte, tunnelpb.DirectHelloLength)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err := io.ReadFull(c, hello)
+	c.SetReadDeadline(time.Time{})
+	key, id, perr := tunnelpb.ParseDirectHello(hello)
+	if err != nil || perr != nil || key != directKey {
+		c.Close()
+		return
+	}
+	if err := node.Load().AttachDirect(id, OverSocket(c, raw)); err != nil {
+		if errors.Is(err, ErrNotDirect) {
+			c.Write([]byte{tunnelpb.DirectNotOpen})
+		}
+		c.Close()
+	}
+}
+
+// dialDirectSocket opens a direct socket for connection id to addr and
+// reads the node's answer, as the agent's dialLane does.
+func dialDirectSocket(ctx context.Context, addr string, wrap *socketWrap, id uint64) (net.Conn, error) {
+	var d net.Dialer
+	raw, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	c := raw
+	if wrap != nil {
+		c = wrap.client(raw)
+	}
+	if _, err := c.Write(tunnelpb.DirectHello(directKey, id)); err != nil {
+		c.Close()
+		return nil, err
+	}
+	var answer [1]byte
+	_, err = io.ReadFull(c, answer[:])
+	switch {
+	case err == nil && answer[0] == tunnelpb.LaneAccepted:
+		return OverSocket(c, raw), nil
+	case err == nil && answer[0] == tunnelpb.DirectNotOpen:
+		err = ErrNotDirect
+	case err == nil:
+		err = errors.New("direct socket refused")
+	}
+	c.Close()
+	return nil, err
 }
 
 // openAccepted opens a connection on node and accepts it on agent.

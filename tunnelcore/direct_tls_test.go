@@ -7,8 +7,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"errors"
-	"io"
 	"math/big"
 	"net"
 	"testing"
@@ -29,52 +27,25 @@ func testCert(t *testing.T) tls.Certificate {
 	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
 
-// directPairTLS is directPair with the direct sockets under TLS, as the
-// agent's dialLane and the node's laneCreds make them.
-func directPairTLS(t *testing.T, above int64) (node, agent *Session) {
-	t.Helper()
+// tlsDirect puts direct sockets under TLS, as the agent's dialLane and the
+// node's laneCreds do on a grpcs:// control plane.
+func tlsDirect(t *testing.T) directOpts {
 	cert := testCert(t)
-	return directPairOver(t, transport{"lane", lanePair}, above, &socketWrap{
+	return directOpts{wrap: &socketWrap{
 		server: func(raw net.Conn) net.Conn {
 			return tls.Server(raw, &tls.Config{Certificates: []tls.Certificate{cert}})
 		},
 		client: func(raw net.Conn) net.Conn {
 			return tls.Client(raw, &tls.Config{InsecureSkipVerify: true})
 		},
-	})
-}
-
-// Under TLS, an abort of a moved connection (the agent's relay cutting a
-// response short) must not read as a clean EOF at the peer.
-func TestDirectAbortOverTLSIsNotEOF(t *testing.T) {
-	node, agent := directPairTLS(t, 1)
-	nc, ac := openAccepted(t, node, agent)
-	defer nc.Close()
-	ac.Write([]byte("a"))
-	eventually(t, 5*time.Second, "both ends on the direct socket", func() bool { return nc.Direct() && ac.Direct() })
-	ac.Write([]byte("b"))
-	if _, err := io.ReadFull(nc, make([]byte, 2)); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { _, err := nc.Read(make([]byte, 10)); done <- err }()
-	ac.Abort(tunnelpb.Error_RESET, "upstream cut the response short")
-	select {
-	case err := <-done:
-		var pe *PeerError
-		if !errors.As(err, &pe) || pe.Code != tunnelpb.Error_RESET {
-			t.Fatalf("read after the peer's abort = %v; want its RESET", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("read hung")
-	}
+	}}
 }
 
 // Under TLS, aborting a moved connection whose peer stopped reading must
 // not block (fail runs on the receive loop, and the session's end runs it
 // for every connection).
 func TestDirectAbortOverTLSDoesNotBlock(t *testing.T) {
-	node, agent := directPairTLS(t, 1)
+	node, agent := directPairWith(t, transport{"lane", lanePair}, 1, tlsDirect(t))
 	nc, ac := openAccepted(t, node, agent)
 	defer nc.Close()
 	ac.Write([]byte("a"))

@@ -42,12 +42,15 @@ func bytesAcked(rc syscall.RawConn) uint64 {
 	return acked
 }
 
-// sendQueue returns a reader of the bytes c's socket holds that its peer
-// has not acknowledged (SIOCOUTQ: not sent yet, or in flight), or nil when c
-// is not a TCP connection. Closing a socket while it holds bytes its peer
-// has not read can lose them: a close with unread input resets the
-// connection, and the reset drops the send queue.
-func sendQueue(c net.Conn) func() int {
+// readQueue returns a reader of the bytes c's socket holds that this end
+// has not read yet (SIOCINQ), or nil when c is not a TCP connection.
+func readQueue(c net.Conn) func() int {
+	return socketIoctl(c, unix.SIOCINQ)
+}
+
+// socketIoctl returns a reader of an int ioctl of c's TCP socket (0 when
+// it fails), or nil when c is not a TCP connection.
+func socketIoctl(c net.Conn, req uint) func() int {
 	rc := rawTCPConn(c)
 	if rc == nil {
 		return nil
@@ -55,10 +58,19 @@ func sendQueue(c net.Conn) func() int {
 	return func() int {
 		n := 0
 		_ = rc.Control(func(fd uintptr) {
-			if q, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ); err == nil {
+			if q, err := unix.IoctlGetInt(int(fd), req); err == nil {
 				n = q
 			}
 		})
 		return n
 	}
+}
+
+// sendQueue returns a reader of the bytes c's socket holds that its peer
+// has not acknowledged (SIOCOUTQ: not sent yet, or in flight), or nil when c
+// is not a TCP connection. Closing a socket while it holds bytes its peer
+// has not read can lose them: a close with unread input resets the
+// connection, and the reset drops the send queue.
+func sendQueue(c net.Conn) func() int {
+	return socketIoctl(c, unix.SIOCOUTQ)
 }

@@ -291,10 +291,15 @@ func cut(c net.Conn, err error) {
 		x.Abort(tunnelpb.Error_RESET, err.Error())
 		return
 	}
+	resetSocket(c)
+}
+
+// resetSocket closes c with a reset of its TCP socket, closed before c: a
+// TLS layer closing first would send a close_notify, which says the
+// stream is complete, and could block on a peer that stopped reading.
+func resetSocket(c net.Conn) {
 	if tc := tcpConnOf(c); tc != nil {
 		tc.SetLinger(0)
-		// Before c: a TLS layer closing first would send close_notify,
-		// which says the stream is complete.
 		tc.Close()
 	}
 	c.Close()
