@@ -3,8 +3,8 @@ package caddymodule
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -70,7 +70,7 @@ type agentSession struct {
 type routeEntry struct {
 	agent   *agentSession
 	route   *tunnelpb.Route
-	pattern *regexp.Regexp // compiled host_pattern, nil otherwise
+	pattern *hostMatcher   // compiled host_pattern, nil otherwise
 	allowed []netip.Prefix // allowed_cidrs; empty allows every client
 	dial    string         // host part of the dial address
 }
@@ -129,6 +129,12 @@ func (e *routeEntry) namedService() bool {
 		strings.HasPrefix(e.route.GetTarget(), "tcp://") && routeName(e.route) != "*"
 }
 
+// matchesByPattern reports whether the route serves the hosts its pattern
+// matches: it has one, and no host (which would take its place).
+func (e *routeEntry) matchesByPattern() bool {
+	return e.pattern != nil && e.route.GetHost() == ""
+}
+
 // sniRoutable reports whether the route takes raw TCP connections by TLS
 // server name: passthrough routes, and host routes whose target is tcp://
 // (TLS terminated by Caddy's layer4 tls handler).
@@ -143,14 +149,21 @@ func (e *routeEntry) sniRoutable() bool {
 // each registration change and swapped in atomically.
 type routeTable struct {
 	exact    map[string][]*routeEntry // by host, ordered by agent id
-	patterns []*routeEntry            // ordered by agent id, then advertise order
+	patterns patternIndex             // ordered by agent id, then advertise order
 	catchAll []*routeEntry            // ordered by agent id
 	byDial   map[string]*routeEntry
 
 	sniExact    map[string][]*routeEntry // TCP routes by server name
-	sniPatterns []*routeEntry
+	sniPatterns patternIndex
 	byPort      map[uint32][]*routeEntry // listen-port routes
 	byName      map[string][]*routeEntry // every route by name
+
+	// load is the worst-case cost of the pattern routes of the table's
+	// sessions for one lookup (patternBudget bounds it, bind keeps it
+	// so), and matchers their distinct patterns by source, which
+	// sessions advertising the same pattern share.
+	load     patternLoad
+	matchers map[string]*hostMatcher
 
 	// replaced is closed when a newer table takes this one's place, so a
 	// request can wait for an agent to come (lb_try_duration).
@@ -222,8 +235,12 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 			continue
 		}
 		if p := rt.GetHostPattern(); p != "" {
-			re, n, err := hostname.CompilePattern(p)
-			if err == nil && insts+n > maxAdvertiseInsts {
+			m, n, err := compileHostMatcher(p)
+			switch {
+			case err != nil:
+			case m.cost+patternEntryCost > patternBudget:
+				err = fmt.Errorf("too costly to match: its worst case (%d units, see hostmatch.go) exceeds the node's pattern budget of %d alone", m.cost, patternBudget)
+			case insts+n > maxAdvertiseInsts:
 				err = fmt.Errorf("the patterns of one Advertise compile to more than %d instructions together", maxAdvertiseInsts)
 			}
 			if err != nil {
@@ -231,7 +248,7 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 				continue
 			}
 			insts += n
-			e.pattern = re
+			e.pattern = m
 		}
 		badCIDR := ""
 		for _, c := range rt.GetAllowedCidrs() {
@@ -281,7 +298,14 @@ func routeName(rt *tunnelpb.Route) string {
 // pooled connections to it stay usable; the others get addresses of a
 // fresh generation. It runs before the entries are published anywhere
 // (port claims, the route table), which then only read them.
-func (r *registry) bind(a *agentSession, entries, previous []*routeEntry) {
+//
+// First it spends the node's pattern budget on the entries' patterns
+// (spendPatternBudget): a pattern route that does not fit is returned
+// rejected, unbound; kept are the others. Callers hold node.admitMu from
+// bind to the register or reroute that publishes kept, so the budget bind
+// counted on is still there.
+func (r *registry) bind(a *agentSession, entries, previous []*routeEntry) (kept []*routeEntry, rejected []*tunnelpb.RejectedRoute) {
+	entries, rejected = r.spendPatternBudget(a, entries)
 	var gen uint64
 	// Previous routes by their bytes: matching them pairwise took a
 	// noticeable time under admitMu for an Advertise of 1024 routes.
@@ -303,6 +327,55 @@ func (r *registry) bind(a *agentSession, entries, previous []*routeEntry) {
 		}
 		e.dial = "r" + strconv.Itoa(i) + ".s" + strconv.FormatUint(gen, 10) + dialSuffix
 	}
+	return entries, rejected
+}
+
+// spendPatternBudget keeps, in advertise order, the entries whose patterns
+// fit in what the node's pattern budget has left once the routes a
+// replaces (its own on a repeated Advertise, or those of the session of
+// its id it displaces) are given back; the others are returned rejected.
+// A pattern some other route has already costs only its walk (see
+// patternLoad). Kept entries share the table's matcher of their pattern,
+// so a pattern's DFA is in memory once however many routes use it.
+func (r *registry) spendPatternBudget(a *agentSession, entries []*routeEntry) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
+	if !slices.ContainsFunc(entries, (*routeEntry).matchesByPattern) {
+		return entries, nil
+	}
+	load, shared := r.loadWithout(a.agentID)
+	kept := make([]*routeEntry, 0, len(entries))
+	var rejected []*tunnelpb.RejectedRoute
+	for _, e := range entries {
+		if e.matchesByPattern() {
+			if load.total+load.costOf(e.pattern) > patternBudget {
+				rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route),
+					Reason: fmt.Sprintf("host_pattern: the node's pattern budget (%d cost units across all agents) is spent", patternBudget)})
+				continue
+			}
+			if m := shared[e.pattern.source]; m != nil {
+				e.pattern = m
+			}
+			load.add(e.pattern)
+		}
+		kept = append(kept, e)
+	}
+	return kept, rejected
+}
+
+// loadWithout returns the pattern load of the registered sessions but
+// agentID's, and the current table's matchers.
+func (r *registry) loadWithout(agentID string) (patternLoad, map[string]*hostMatcher) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	t := r.table.Load()
+	load := patternLoad{uses: maps.Clone(t.load.uses), total: t.load.total}
+	if cur := r.agents[agentID]; cur != nil {
+		for _, e := range cur.routes {
+			if e.matchesByPattern() {
+				load.remove(e.pattern)
+			}
+		}
+	}
+	return load, t.matchers
 }
 
 // routeBytes is rt's deterministic encoding: two routes are the same route
@@ -387,7 +460,11 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 		sniExact: map[string][]*routeEntry{},
 		byPort:   map[uint32][]*routeEntry{},
 		byName:   map[string][]*routeEntry{},
+		matchers: map[string]*hostMatcher{},
 	}
+	t.sniPatterns.first = true // see lookupSNI
+	groups := map[string]int{}
+	var distinct []*hostMatcher
 	for _, a := range leaving {
 		for _, e := range a.routes {
 			t.byDial[e.dial] = e
@@ -397,6 +474,12 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 		for _, e := range a.routes {
 			t.byDial[e.dial] = e
 			t.byName[routeName(e.route)] = append(t.byName[routeName(e.route)], e)
+			if e.matchesByPattern() {
+				t.load.add(e.pattern)
+				if t.matchers[e.pattern.source] == nil {
+					t.matchers[e.pattern.source] = e.pattern
+				}
+			}
 			if p := e.route.GetListenPort(); p != 0 {
 				t.byPort[p] = append(t.byPort[p], e)
 			}
@@ -404,7 +487,7 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 				if h := e.route.GetHost(); h != "" {
 					t.sniExact[strings.ToLower(h)] = append(t.sniExact[strings.ToLower(h)], e)
 				} else {
-					t.sniPatterns = append(t.sniPatterns, e)
+					t.sniPatterns.add(e, groups, &distinct)
 				}
 			}
 			if !e.httpRoutable() {
@@ -415,11 +498,15 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 				h := strings.ToLower(e.route.GetHost())
 				t.exact[h] = append(t.exact[h], e)
 			case e.pattern != nil:
-				t.patterns = append(t.patterns, e)
+				t.patterns.add(e, groups, &distinct)
 			default:
 				t.catchAll = append(t.catchAll, e)
 			}
 		}
+	}
+	t.patterns.matchers, t.sniPatterns.matchers = distinct, distinct
+	if len(distinct) > 0 {
+		t.patterns.cache, t.sniPatterns.cache = newLookupCache(), newLookupCache()
 	}
 	return t
 }
@@ -427,32 +514,37 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 // lookupHTTP returns the routes serving host, ordered by agent id: exact
 // host routes if any, else the host patterns that match, else the
 // catch-all routes.
+//
+// It needs every matching pattern route, not the first: the upstream
+// source cannot know the handler's lb_policy (`dynamic sluice` may serve
+// a plain reverse_proxy with any), and even Caddy's `first` takes the next
+// upstream when the first is unavailable (passive health checks,
+// max_requests) or refused by allowed_cidrs (allowedFor). The table's
+// cache makes a repeated host cost one lookup.
 func (t *routeTable) lookupHTTP(host string) []*routeEntry {
-	if es := lookupHost(t.exact, t.patterns, host); len(es) > 0 {
+	if es := t.exact[host]; len(es) > 0 {
 		return es
+	}
+	if len(host) <= hostKeyMax { // a routing key always is (hostname.RoutingKey)
+		if es := t.patterns.lookup(host); len(es) > 0 {
+			return es
+		}
 	}
 	return t.catchAll
 }
 
-// lookupHost returns exact's routes for host, else the patterns that match
-// it whole.
-func lookupHost(exact map[string][]*routeEntry, patterns []*routeEntry, host string) []*routeEntry {
-	if es := exact[host]; len(es) > 0 {
+// lookupSNI returns the TCP routes for a TLS server name: the exact host
+// routes, ordered by agent id, else the first pattern route that matches
+// (by agent id): its callers (resolveTCP) take the first route alone.
+// A name that is not a valid host name (RFC 6066 allows no other, and a
+// ClientHello may carry up to 64 KiB of anything) matches no pattern, so
+// a pattern never runs on more than hostKeyMax bytes.
+func (t *routeTable) lookupSNI(name string) []*routeEntry {
+	name = strings.TrimSuffix(strings.ToLower(name), ".")
+	if es := t.sniExact[name]; len(es) > 0 || !hostname.Valid(name) {
 		return es
 	}
-	var out []*routeEntry
-	for _, e := range patterns {
-		if e.pattern.MatchString(host) {
-			out = append(out, e)
-		}
-	}
-	return out
-}
-
-// lookupSNI returns the TCP routes for a TLS server name: exact hosts
-// first, then patterns, ordered by agent id.
-func (t *routeTable) lookupSNI(name string) []*routeEntry {
-	return lookupHost(t.sniExact, t.sniPatterns, strings.TrimSuffix(strings.ToLower(name), "."))
+	return t.sniPatterns.lookup(name)
 }
 
 // lookupName returns the routes named name (or, failing that, serving the
