@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: builds Caddy with sluice (./xcaddy.sh) for the binary and
-# demo tests, then vet, the race-enabled test suite, and last, alone, the
-# smoke run of the bench scripts.
+# demo tests, then vet and staticcheck, the race-enabled test suite, and
+# last, alone, the smoke run of the bench scripts. (CI fuzzes afterwards:
+# .ci/fuzz.sh.)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -17,6 +18,17 @@ go vet ./...
 echo "==> go vet (windows, darwin)"
 GOOS=windows go vet ./...
 GOOS=darwin go vet ./...
+# staticcheck is pinned and installed by .ci/run; a local run without it
+# says so and goes on, CI never does.
+echo "==> staticcheck"
+staticcheck=$(command -v staticcheck || echo "$(go env GOPATH)/bin/staticcheck")
+if [ -x "$staticcheck" ]; then
+	"$staticcheck" ./...
+elif [ -n "${CI:-}" ]; then
+	echo "staticcheck not found (CI is set): .ci/run installs it" >&2; exit 1
+else
+	echo "SKIPPED: staticcheck not installed (go install honnef.co/go/tools/cmd/staticcheck@v0.8.2)"
+fi
 echo "==> building Caddy with sluice (xcaddy)"
 OUTPUT="$PWD/caddy" ./xcaddy.sh
 echo "==> go test -race"

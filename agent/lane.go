@@ -231,10 +231,20 @@ func behindProxy(hostport string) bool {
 // reason) or carries a frame it must not.
 func watchGRPCBesideLane(sess *tunnelcore.Session, rs *recordingStream) {
 	env := &tunnelpb.Envelope{}
-	err := rs.RecvMsg(env)
-	if err == nil {
-		env.Payload.Free()
-		err = errFrameBesideLane
+	if err := rs.RecvMsg(env); err != nil {
+		sess.CloseWithError(err)
+		return
 	}
-	sess.CloseWithError(err)
+	env.Payload.Free()
+	sess.CloseWithError(errFrameBesideLane)
+	// Read on until the stream ends (closing the session cancels it): the
+	// session's end reason waits up to recvErrWait for the stream's status
+	// (rs.recvDone), which held the reconnect back 2 s.
+	for {
+		env = &tunnelpb.Envelope{}
+		if rs.RecvMsg(env) != nil {
+			return
+		}
+		env.Payload.Free()
+	}
 }

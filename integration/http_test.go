@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"crypto/sha256"
-	"crypto/tls"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -18,7 +17,6 @@ import (
 	"time"
 
 	"github.com/coder/websocket"
-	"golang.org/x/net/http2"
 
 	"github.com/sluice-tunnel/sluice/agent"
 	"github.com/sluice-tunnel/sluice/internal/sampleupstream"
@@ -111,12 +109,7 @@ func TestHTTPRequestsThroughTunnel(t *testing.T) {
 	})
 
 	t.Run("h2c prior knowledge at Caddy", func(t *testing.T) {
-		client := &http.Client{Transport: &http2.Transport{
-			AllowHTTP: true,
-			DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
-				return (&net.Dialer{}).DialContext(ctx, network, addr)
-			},
-		}}
+		client := h2cClient()
 		req, _ := http.NewRequest("GET", c.url("/"), nil)
 		req.Host = "app.test"
 		resp, err := client.Do(req)

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -20,7 +19,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
@@ -176,13 +174,9 @@ func h1Client() *http.Client {
 
 // h2cClient speaks HTTP/2 with prior knowledge on Caddy's plain HTTP port.
 func h2cClient() *http.Client {
-	return &http.Client{Transport: &http2.Transport{
-		AllowHTTP:          true,
-		DisableCompression: true,
-		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
-			return (&net.Dialer{}).DialContext(ctx, network, addr)
-		},
-	}}
+	var only http.Protocols
+	only.SetUnencryptedHTTP2(true) // and not HTTP/1: prior knowledge
+	return &http.Client{Transport: &http.Transport{Protocols: &only, DisableCompression: true}}
 }
 
 // h2TLSClient speaks HTTP/2 over TLS (ALPN) to addr whatever the URL's

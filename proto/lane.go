@@ -33,6 +33,36 @@ func LaneHello(ticket string) []byte {
 // LaneHelloLength is the length of LaneHello's bytes.
 const LaneHelloLength = len(LanePreface) + LaneTicketLength + 1
 
+// ErrMalformedHello is the error of a lane or direct socket preface that
+// is not one LaneHello or DirectHello writes.
+var ErrMalformedHello = errors.New("malformed preface")
+
+// ParseLaneHello returns the ticket of a LaneHello. It accepts exactly the
+// bytes LaneHello writes for a ticket of LaneTicketLength lower-case hex
+// digits (what the node hands out), so the ticket it returns can be looked
+// up as it is: anything else is no ticket the node issued.
+func ParseLaneHello(b []byte) (ticket string, err error) {
+	p := len(LanePreface)
+	if len(b) != LaneHelloLength || string(b[:p]) != LanePreface || b[len(b)-1] != '\n' {
+		return "", fmt.Errorf("lane: %w", ErrMalformedHello)
+	}
+	t := b[p : len(b)-1]
+	if !isLowerHex(t) {
+		return "", fmt.Errorf("lane: %w: the ticket is not %d lower-case hex digits", ErrMalformedHello, LaneTicketLength)
+	}
+	return string(t), nil
+}
+
+// isLowerHex reports whether b is all lower-case hex digits.
+func isLowerHex(b []byte) bool {
+	for _, c := range b {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
 // Direct sockets (proto/README §2.5): a node that offers a lane may also
 // give the session a key with which the agent opens, for one connection at a
 // time, a socket that carries that connection's bytes alone.
@@ -65,16 +95,27 @@ func DirectHello(key string, connID uint64) []byte {
 // DirectHelloLength is the length of DirectHello's bytes.
 const DirectHelloLength = len(DirectPreface) + DirectKeyLength + 16 + 1
 
-// ParseDirectHello returns the key and connection id of a DirectHello.
+// ParseDirectHello returns the key and connection id of a DirectHello. Like
+// ParseLaneHello it accepts exactly what DirectHello writes for a key of
+// DirectKeyLength lower-case hex digits and a connection id other than 0:
+// strconv alone would also take upper-case digits, so two prefaces would
+// name one connection.
 func ParseDirectHello(b []byte) (key string, connID uint64, err error) {
 	p := len(DirectPreface)
 	if len(b) != DirectHelloLength || string(b[:p]) != DirectPreface || b[len(b)-1] != '\n' {
-		return "", 0, errors.New("malformed direct socket preface")
+		return "", 0, fmt.Errorf("direct socket: %w", ErrMalformedHello)
 	}
-	key = string(b[p : p+DirectKeyLength])
-	connID, err = strconv.ParseUint(string(b[p+DirectKeyLength:len(b)-1]), 16, 64)
+	k, id := b[p:p+DirectKeyLength], b[p+DirectKeyLength:len(b)-1]
+	if !isLowerHex(k) {
+		return "", 0, fmt.Errorf("direct socket: %w: the key is not %d lower-case hex digits", ErrMalformedHello, DirectKeyLength)
+	}
+	if !isLowerHex(id) {
+		return "", 0, fmt.Errorf("direct socket: %w: bad connection id", ErrMalformedHello)
+	}
+	// 16 hex digits always fit in a uint64.
+	connID, err = strconv.ParseUint(string(id), 16, 64)
 	if err != nil || connID == 0 {
-		return "", 0, errors.New("malformed direct socket preface: bad connection id")
+		return "", 0, fmt.Errorf("direct socket: %w: bad connection id", ErrMalformedHello)
 	}
-	return key, connID, nil
+	return string(k), connID, nil
 }

@@ -49,10 +49,6 @@ const directDialTimeout = 10 * time.Second
 // this end sent.
 const directLinger = 2 * time.Second
 
-// socketChunk is what one copy to or from a direct socket moves before
-// Counts advances (SetWriteToBatch sets it smaller).
-const socketChunk = 256 << 10
-
 // The states of a connection's direct socket.
 const (
 	directNone    int32 = iota // not tried
