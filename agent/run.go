@@ -181,6 +181,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 	a.creds = creds
 	a.conn = newConnector(cfg, lim.MaxConnections, logger)
 	logLimits(logger, cfg, lim)
+	warnPlaintextToken(logger, cfg)
 	return a, nil
 }
 

@@ -31,6 +31,7 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"bad duration", "{\n\tsluice {\n\t\tadvertise_timeout soon\n\t}\n}\n:80\n", "advertise_timeout"},
 		{"media types with a comma", ":80 {\n\tsluice {\n\t\tstream_request_accept_types text/event-stream,application/x-ndjson\n\t}\n}\n", "sluice: stream_request_accept_types: \"text/event-stream,application/x-ndjson\" is not a media type"},
 		{"data_lane value", "{\n\tsluice {\n\t\tdata_lane maybe\n\t}\n}\n:80\n", `data_lane: want on or off, got "maybe"`},
+		{"keep_forwarded_headers value", ":80 {\n\tsluice {\n\t\tkeep_forwarded_headers yes\n\t}\n}\n", `sluice: keep_forwarded_headers: takes no value, got "yes"`},
 		{"direct_sockets value", "{\n\tsluice {\n\t\tdirect_sockets maybe\n\t}\n}\n:80\n", `direct_sockets: want on or off, got "maybe"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -180,8 +180,17 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
 //	    stream_max_request_time       <duration>           # streams and upgrades; default none
 //	    stream_idle_timeout           <duration>           # silence between stream bytes
 //
+//	    # client forwarding headers (see Handler)
+//	    keep_forwarded_headers        # pass Forwarded and X-Real-IP from every client
+//	    trusted_proxies <ranges...>   # reverse_proxy's: these keep them (and X-Forwarded-*)
+//
 //	    ... (any other reverse_proxy subdirective)
 //	}
+//
+// By default the Forwarded and X-Real-IP headers a client sent are removed
+// before proxying unless the client is a trusted proxy (the server's
+// trusted_proxies or the directive's), as reverse_proxy does for
+// X-Forwarded-*.
 func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	d := h.Dispenser
 	d.Next() // directive name
@@ -191,6 +200,10 @@ func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler,
 	d.Reset()
 	sh := new(Handler)
 	if err := sh.StreamPolicy.unmarshalAndStrip(d); err != nil {
+		return nil, err
+	}
+	d.Reset()
+	if err := sh.unmarshalForwardingAndStrip(d); err != nil {
 		return nil, err
 	}
 	d.Reset()
@@ -309,6 +322,29 @@ func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
+		}
+	}
+	return nil
+}
+
+// unmarshalForwardingAndStrip reads keep_forwarded_headers and deletes its
+// tokens, so reverse_proxy's parser does not see them.
+func (h *Handler) unmarshalForwardingAndStrip(d *caddyfile.Dispenser) error {
+	for d.Next() {
+		for d.NextBlock(0) {
+			if d.Nesting() != 1 {
+				continue
+			}
+			if d.Val() != "keep_forwarded_headers" {
+				d.RemainingArgs() // reverse_proxy's, arguments and all
+				continue
+			}
+			args := d.RemainingArgs()
+			d.DeleteN(len(args) + 1)
+			if len(args) != 0 {
+				return d.Errf("sluice: keep_forwarded_headers: takes no value, got %q", args[0])
+			}
+			h.KeepForwardedHeaders = true
 		}
 	}
 	return nil

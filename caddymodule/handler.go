@@ -4,7 +4,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -32,12 +37,46 @@ const DefaultStreamCloseDelay = 24 * time.Hour
 // connections survive config reloads, and a host no agent serves gets a 503
 // that says so (after waiting up to lb_try_duration for an agent to come,
 // when that is set). Every reverse_proxy option applies.
+//
+// Client addresses. Routes' allowed_cidrs are judged on the address Caddy
+// reports as the client's ({client_ip}, the same the client_ip matcher and
+// the access log use): the connection's peer, unless that peer is one of
+// the server's trusted_proxies, when it is read from client_ip_headers
+// (default X-Forwarded-For). Under the server's trusted_proxies_strict that
+// is the rightmost address that is not a trusted proxy, the hop the proxy
+// saw; without it Caddy takes the leftmost, which the client wrote itself
+// and a proxy that appends passes on, so a site whose routes set
+// allowed_cidrs behind proxies wants trusted_proxies_strict (the handler
+// warns once when it judges such a request without it). A client that is
+// not a trusted proxy cannot move its address with headers.
+//
+// Forwarding headers. reverse_proxy discards the X-Forwarded-For, -Proto
+// and -Host a client sent unless the client is a trusted proxy, and sets
+// its own. The handler discards, on the same condition, the other two
+// headers upstreams read a client address from, Forwarded and X-Real-IP
+// (with X_Real_IP and X.Real.IP, which CGI-style frameworks read as the
+// same header, should the server let them in): a client that is not the
+// server's or this handler's trusted proxy cannot pass for another address
+// with them, unless keep_forwarded_headers is set. header_up applies after
+// the removal, so `header_up X-Real-IP {client_ip}` sets the header from
+// the address Caddy trusts.
 type Handler struct {
 	reverseproxy.Handler
 	StreamPolicy
 
+	// KeepForwardedHeaders passes the Forwarded and X-Real-IP headers of
+	// every client to the upstream, trusted proxy or not. Set it only when
+	// the upstream does not take them as the client's address, or when
+	// every client is trusted (a proxy in front that rewrites them).
+	KeepForwardedHeaders bool `json:"keep_forwarded_headers,omitempty"`
+
 	app    *App
 	logger *zap.Logger
+	// trustedProxies is reverse_proxy's trusted_proxies, parsed: requests
+	// from them keep their forwarding headers, as their X-Forwarded-*.
+	trustedProxies []netip.Prefix
+	// laxClientIPWarn logs the trusted_proxies_strict warning once.
+	laxClientIPWarn *sync.Once
 	// rpProvisioned: the embedded reverse_proxy got as far as making its
 	// connection table, which its Cleanup locks (a nil mutex panics, and a
 	// panic during a config load takes Caddy down).
@@ -85,12 +124,16 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.StreamPolicy.validate(); err != nil {
 		return err
 	}
+	if err := h.parseTrustedProxies(); err != nil {
+		return err
+	}
 	app, err := sluiceApp(ctx)
 	if err != nil {
 		return err
 	}
 	h.app = app
 	h.logger = ctx.Logger()
+	h.laxClientIPWarn = new(sync.Once)
 	// reverse_proxy's Provision makes its connection table right after
 	// loading the events app; load that first so a failure there is ours.
 	if _, err := ctx.App("events"); err != nil {
@@ -136,8 +179,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		routes = n.reg.awaitHTTP(r.Context(), host, time.Duration(h.LoadBalancing.TryDuration))
 		n.awaitingAgent.Add(-1)
 	}
+	h.warnLaxClientIP(r, routes)
 	if len(routes) > 0 && len(allowedFor(routes, clientAddr(r))) == 0 {
-		n.logLimit("http", "allowed_cidrs", r.RemoteAddr)
+		n.logLimit("http", "allowed_cidrs", clientAddr(r))
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.WriteHeader(http.StatusForbidden)
 		fmt.Fprintf(w, "403 Forbidden: your address may not use the tunnel for %s\n", host)
@@ -151,8 +195,123 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		fmt.Fprintf(w, "503 Service Unavailable: no sluice agent is connected for %s\n", host)
 		return nil
 	}
+	r = h.withoutClientForwarding(r)
 	return h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
 		return h.Handler.ServeHTTP(w, r, next)
+	})
+}
+
+// parseTrustedProxies parses reverse_proxy's trusted_proxies ahead of
+// reverse_proxy's own Provision, so a bad entry is reported with the field.
+func (h *Handler) parseTrustedProxies() error {
+	h.trustedProxies = h.trustedProxies[:0]
+	for _, s := range h.TrustedProxies {
+		p, err := caddyhttp.CIDRExpressionToPrefix(s)
+		if err != nil {
+			return fmt.Errorf("sluice: trusted_proxies: %w", err)
+		}
+		h.trustedProxies = append(h.trustedProxies, p)
+	}
+	return nil
+}
+
+// withoutClientForwarding returns r without the Forwarded and X-Real-IP
+// headers when they may not pass (see Handler). The headers are removed
+// from a copy: the access log records the request as the client sent it.
+func (h *Handler) withoutClientForwarding(r *http.Request) *http.Request {
+	if h.KeepForwardedHeaders || !hasClientForwarding(r.Header) || h.fromTrustedProxy(r) {
+		return r
+	}
+	r2 := r.WithContext(r.Context())
+	r2.Header = r.Header.Clone()
+	for k := range r2.Header {
+		if isClientForwardingHeader(k) {
+			delete(r2.Header, k)
+		}
+	}
+	return r2
+}
+
+// hasClientForwarding reports whether hdr holds a header
+// withoutClientForwarding removes: most requests have none and are not
+// copied.
+func hasClientForwarding(hdr http.Header) bool {
+	for k := range hdr {
+		if isClientForwardingHeader(k) {
+			return true
+		}
+	}
+	return false
+}
+
+// isClientForwardingHeader reports whether a header field name is Forwarded
+// or X-Real-IP in any case, with '_' or '.' for '-' too: CGI-style
+// frameworks fold them all into HTTP_X_REAL_IP. (Caddy drops such names
+// unless the server's expected_underscore_headers or expected_dot_headers
+// list them.)
+func isClientForwardingHeader(name string) bool {
+	if len(name) != len("Forwarded") { // = len("X-Real-IP")
+		return false
+	}
+	return strings.EqualFold(name, "Forwarded") || strings.EqualFold(strings.Map(dashFold, name), "X-Real-IP")
+}
+
+// dashFold maps the separators CGI-style frameworks fold together to '-'.
+func dashFold(r rune) rune {
+	if r == '_' || r == '.' {
+		return '-'
+	}
+	return r
+}
+
+// fromTrustedProxy reports whether the request's peer is a trusted proxy:
+// the server's trusted_proxies (as Caddy decided) or this handler's, the
+// same test reverse_proxy applies to X-Forwarded-*.
+func (h *Handler) fromTrustedProxy(r *http.Request) bool {
+	if trusted, _ := caddyhttp.GetVar(r.Context(), caddyhttp.TrustedProxyVarKey).(bool); trusted {
+		return true
+	}
+	if len(h.trustedProxies) == 0 {
+		return false
+	}
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return false
+	}
+	host, _, _ = strings.Cut(host, "%")
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		return false
+	}
+	for _, p := range h.trustedProxies {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// laxClientIPMsg is the message of warnLaxClientIP's line.
+const laxClientIPMsg = "allowed_cidrs judged behind a trusted proxy without trusted_proxies_strict"
+
+// warnLaxClientIP warns once when allowed_cidrs are judged on an address a
+// trusted proxy passed on while the server lacks trusted_proxies_strict:
+// Caddy then takes the leftmost client_ip_headers entry, which the client
+// may have written itself.
+func (h *Handler) warnLaxClientIP(r *http.Request, routes []*routeEntry) {
+	if trusted, _ := caddyhttp.GetVar(r.Context(), caddyhttp.TrustedProxyVarKey).(bool); !trusted {
+		return
+	}
+	srv, _ := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if srv == nil || srv.TrustedProxiesStrict > 0 {
+		return
+	}
+	if !slices.ContainsFunc(routes, func(e *routeEntry) bool { return len(e.allowed) > 0 }) {
+		return
+	}
+	h.laxClientIPWarn.Do(func() {
+		h.logger.Warn(laxClientIPMsg, zap.String("client_ip", clientAddr(r)), zap.String("remote_addr", r.RemoteAddr),
+			zap.String("fix", "set trusted_proxies_strict in the server's options: allowed_cidrs are judged on the leftmost client_ip_headers address a trusted proxy passed on, which the client can write; strict takes the rightmost hop that is not a trusted proxy"))
 	})
 }
 

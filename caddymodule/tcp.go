@@ -90,6 +90,8 @@ func (n *node) relayTCPAgain(client net.Conn, e *routeEntry, serverName string, 
 // relays client through it, closing both when done or when the route's idle
 // timeout passes with no byte either way.
 func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error {
+	// The connection's peer: layer4's proxy_protocol handler (with its
+	// allow list) replaces it with the PROXY header's source.
 	if !e.allows(client.RemoteAddr().String()) {
 		n.refuseTCP(client, "allowed_cidrs")
 		return ErrForbidden

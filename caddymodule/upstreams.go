@@ -91,8 +91,11 @@ var (
 	_ caddyfile.Unmarshaler       = (*Upstreams)(nil)
 )
 
-// clientAddr is the client's address as Caddy determined it (honouring
-// trusted_proxies), else the connection's remote address.
+// clientAddr is the address allowed_cidrs judge: the client's address as
+// Caddy determined it ({client_ip}: the peer, or, from a trusted proxy, the
+// client_ip_headers entry trusted_proxies_strict selects; see Handler),
+// else the connection's remote address. A client that is not a trusted
+// proxy cannot move it with X-Forwarded-For.
 func clientAddr(r *http.Request) string {
 	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok && ip != "" {
 		return ip
