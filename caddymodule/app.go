@@ -122,11 +122,19 @@ type App struct {
 
 	// MaxPendingStreams bounds the agent streams that have not sent their
 	// Advertise yet, and, apart from them, the control connections that
-	// have not carried a Connect with the token yet (such a connection is
-	// closed after 30 s). Default 256.
+	// have not authenticated yet: a stream with the token, or a data lane
+	// or direct socket with a valid ticket or key. Such a connection must
+	// send its first byte within 2 s and authenticate within 10 s. A new
+	// connection that finds the pending connections at a limit evicts the
+	// oldest of them (a silent one first) rather than being refused, so
+	// connections held open without the token cannot keep agents out.
+	// Default 256.
 	MaxPendingStreams int `json:"max_pending_streams,omitempty"`
 
-	// MaxPendingStreamsPerAddress bounds both per address. Default 16.
+	// MaxPendingStreamsPerAddress bounds both per address; pending
+	// connections are also bounded per network (/24 for IPv4, /64 for
+	// IPv6) at four times this. Peers without an IP address (a unix
+	// socket's) are bounded by MaxPendingStreams alone. Default 16.
 	MaxPendingStreamsPerAddress int `json:"max_pending_streams_per_address,omitempty"`
 
 	// TunnelStallTimeout fails a session whose agent stopped taking frames

@@ -2,12 +2,20 @@ package caddymodule
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/sluice-tunnel/sluice/internal/testwait"
@@ -16,15 +24,16 @@ import (
 )
 
 // TestControlConnectionsWithoutTheTokenAreBounded: connections that never
-// present the token count against max_pending_streams_per_address (those
-// past it are closed at once) and are closed after the time allowed,
+// present the token count against max_pending_streams_per_address (past
+// it the oldest is evicted), a connection that uses up its credential
+// failures is closed, and the rest are closed after the time allowed,
 // while a connection that carried a Connect with the token stays.
 func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 	n := testNode(t)
 	tok := "secret"
 	n.token.Store(&tok)
 	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 3, advertiseTimeout: time.Minute, drainGrace: time.Second})
-	n.guard.lifetime.Store(int64(time.Second))
+	n.guard.timing.Store(&guardTiming{firstByte: time.Second, pending: time.Second, preface: time.Second})
 
 	// An agent, proven by its Connect, before the idle ones.
 	st, err := connectStream(t, controlClient(t, n), "secret")
@@ -33,9 +42,7 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 	}
 	testwait.Until(t, 5*time.Second, "the agent's stream authorized", func() bool { return n.pending.count() == 1 })
 
-	// Clients with a wrong token: each Connect is refused, and gRPC alone
-	// would keep their connections (MaxConnectionIdle restarts with every
-	// stream).
+	// Clients with a wrong token: each Connect is refused at its headers.
 	var clients []*grpc.ClientConn
 	for i := range 4 {
 		c := controlClient(t, n)
@@ -43,16 +50,16 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 		if err == nil {
 			_, err = s.Recv()
 		}
-		want := codes.Unauthenticated
-		if i == 3 { // past max_pending_streams_per_address: closed at accept
-			want = codes.Unavailable
-		}
-		if status.Code(err) != want {
-			t.Fatalf("client %d: %v, want %v", i, err, want)
+		if status.Code(err) != codes.Unauthenticated {
+			t.Fatalf("client %d: %v, want Unauthenticated", i, err)
 		}
 		clients = append(clients, c)
 	}
-	for i, c := range clients[:3] {
+	// The fourth took the place of the first (max_pending_streams_per_address 3).
+	testwait.Until(t, 5*time.Second, "the oldest pending connection evicted", func() bool {
+		return clients[0].GetState() != connectivity.Ready
+	})
+	for i, c := range clients {
 		wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
 		for c.GetState() == connectivity.Ready && c.WaitForStateChange(wctx, connectivity.Ready) {
 		}
@@ -61,11 +68,10 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 			t.Fatalf("client %d without the token still connected after the time allowed", i)
 		}
 	}
-	testwait.Until(t, 5*time.Second, "the unproven connections forgotten", func() bool {
-		n.guard.mu.Lock()
-		defer n.guard.mu.Unlock()
-		return len(n.guard.unproven) == 0
-	})
+	testwait.Until(t, 5*time.Second, "no connection pending", func() bool { return n.guard.pendingCount() == 0 })
+	if got := n.authFailures.Load(); got < 4 {
+		t.Fatalf("%d credential failures counted, want at least 4", got)
+	}
 
 	// The agent's connection outlived them: its Advertise is answered.
 	if err := st.Send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Advertise{Advertise: &tunnelpb.Advertise{
@@ -77,4 +83,176 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 	if err != nil || f.GetAdvertiseAck() == nil {
 		t.Fatalf("the agent's stream after the idle connections were closed: %v %v", f, err)
 	}
+}
+
+// TestWrongTokensCloseTheConnection: each stream with a wrong token is
+// refused and counted, and the connection is closed at the
+// maxAuthFailuresPerConn-th, however many streams the client tries.
+func TestWrongTokensCloseTheConnection(t *testing.T) {
+	n := testNode(t)
+	tok := "secret"
+	n.token.Store(&tok)
+	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 16, advertiseTimeout: time.Minute, drainGrace: time.Second})
+	cc, err := grpc.NewClient(n.listener.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	cc.Connect()
+	testwait.Until(t, 5*time.Second, "connected", func() bool { return cc.GetState() == connectivity.Ready })
+	for i := range maxAuthFailuresPerConn {
+		s, err := connectStream(t, cc, "wrong")
+		if err == nil {
+			_, err = s.Recv()
+		}
+		if i < maxAuthFailuresPerConn-1 && status.Code(err) != codes.Unauthenticated {
+			t.Fatalf("attempt %d: %v, want Unauthenticated", i, err)
+		}
+	}
+	testwait.Until(t, 5*time.Second, "the connection closed", func() bool { return cc.GetState() != connectivity.Ready })
+	if got := n.authFailures.Load(); got != maxAuthFailuresPerConn {
+		t.Fatalf("%d failures counted, want %d", got, maxAuthFailuresPerConn)
+	}
+}
+
+// TestSilentConnectionClosedAfterFirstByteTime: a connection that sends
+// nothing is closed after the first-byte time, long before the time a
+// connection has to authenticate.
+func TestSilentConnectionClosedAfterFirstByteTime(t *testing.T) {
+	n := testNode(t)
+	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 16})
+	n.guard.timing.Store(&guardTiming{firstByte: 200 * time.Millisecond, pending: time.Minute, preface: time.Minute})
+	c, err := net.Dial("tcp", n.listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, io.EOF) && !isReset(err) {
+		t.Fatalf("silent connection: read %v, want it closed by the node", err)
+	}
+	testwait.Until(t, 5*time.Second, "no connection pending", func() bool { return n.guard.pendingCount() == 0 })
+}
+
+// TestLanePrefaceStaysPendingUntilItsTicket: a connection that sends the
+// first byte of a lane preface and stops is still pending (it counts, and
+// is evicted past the per-address limit) and is closed after the preface
+// time.
+func TestLanePrefaceStaysPendingUntilItsTicket(t *testing.T) {
+	n := testNode(t)
+	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 4})
+	n.guard.timing.Store(&guardTiming{firstByte: time.Minute, pending: time.Minute, preface: 300 * time.Millisecond})
+	var conns []net.Conn
+	for range 10 {
+		c, err := net.Dial("tcp", n.listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte("S")); err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	testwait.Until(t, 5*time.Second, "at most the per-address limit pending", func() bool { return n.guard.pendingCount() <= 4 })
+	for i, c := range conns {
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := c.Read(make([]byte, 1)); !errors.Is(err, io.EOF) && !isReset(err) {
+			t.Fatalf("connection %d with a bare lane preface byte: read %v, want it closed", i, err)
+		}
+	}
+	testwait.Until(t, 5*time.Second, "no connection pending", func() bool { return n.guard.pendingCount() == 0 })
+}
+
+// TestGuardCountsNetworks: past prefixPerAddress times the per-address
+// limit from one /24 (or /64), the oldest pending connection of that
+// network is evicted, and other networks keep theirs.
+func TestGuardCountsNetworks(t *testing.T) {
+	n := testNode(t)
+	n.opts.Store(&nodeOptions{maxPending: 1000, maxPendingPerAddr: 2})
+	g := n.guard
+	admit := func(addr string) *guardedConn {
+		t.Helper()
+		a, b := net.Pipe()
+		t.Cleanup(func() { a.Close(); b.Close() })
+		gc := g.admit(addrConn{Conn: a, remote: fakeAddr(addr)})
+		t.Cleanup(func() { gc.Close() })
+		return gc
+	}
+	other := admit("[2001:db8:1::1]:1000")
+	var first []*guardedConn
+	for i := range prefixPerAddress * 2 {
+		first = append(first, admit(net.JoinHostPort(fmt.Sprintf("2001:db8::%x", i+1), "1000")))
+	}
+	if got := g.pendingCount(); got != 1+prefixPerAddress*2 {
+		t.Fatalf("%d pending, want %d", got, 1+prefixPerAddress*2)
+	}
+	admit("[2001:db8::ff]:1000") // same /64: evicts the oldest of it
+	if first[0].state != connEvicted || first[1].state != connPending || other.state != connPending {
+		t.Fatalf("states after the /64 filled: first %v, second %v, other network %v", first[0].state, first[1].state, other.state)
+	}
+	v4 := admit("192.0.2.1:1")
+	admit("192.0.2.1:2")
+	admit("192.0.2.1:3") // same address: evicts its oldest
+	if v4.state != connEvicted {
+		t.Fatalf("the address's oldest connection is %v, want evicted", v4.state)
+	}
+}
+
+// TestGuardOnUnixSocket: connections of a unix-socket listener, whose peers
+// all share one address, are tracked as themselves: after rounds of
+// overlapping connections, as many as the node allows are pending at once.
+func TestGuardOnUnixSocket(t *testing.T) {
+	dir, err := os.MkdirTemp("", "sluice-guard")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	ln, err := net.Listen("unix", filepath.Join(dir, "control.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := newNode("test", ln, nil, zap.NewNop())
+	t.Cleanup(n.drainNow)
+	t.Cleanup(func() { ln.Close() })
+	n.opts.Store(&nodeOptions{maxPending: 8, maxPendingPerAddr: 1})
+	g := n.guard
+	dial := func() net.Conn {
+		c, err := net.Dial("unix", filepath.Join(dir, "control.sock"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	for range 20 {
+		a, b := dial(), dial()
+		testwait.Until(t, 5*time.Second, "both pending", func() bool { return g.pendingCount() == 2 })
+		a.Close()
+		b.Close()
+		testwait.Until(t, 5*time.Second, "none pending", func() bool { return g.pendingCount() == 0 })
+	}
+	for range 3 {
+		c := dial()
+		defer c.Close()
+	}
+	testwait.Until(t, 5*time.Second, "three pending at once", func() bool { return g.pendingCount() == 3 })
+}
+
+// addrConn is a connection with the remote address a test gives it.
+type addrConn struct {
+	net.Conn
+	remote net.Addr
+}
+
+func (c addrConn) RemoteAddr() net.Addr { return c.remote }
+
+type fakeAddr string
+
+func (a fakeAddr) Network() string { return "tcp" }
+func (a fakeAddr) String() string  { return string(a) }
+
+func isReset(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && !op.Timeout()
 }

@@ -63,18 +63,20 @@ func (t *laneTickets) offer() (ticket string, lanes <-chan net.Conn, withdraw fu
 }
 
 // claim hands conn to the offer of ticket, once: false for a ticket that is
-// unknown, already claimed or withdrawn.
-func (t *laneTickets) claim(ticket string, conn net.Conn) bool {
+// unknown, already claimed or withdrawn, or when admit, called once the
+// ticket checked out and before the hand-off, refuses.
+func (t *laneTickets) claim(ticket string, conn net.Conn, admit func() bool) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	ch, ok := t.m[ticket]
-	delete(t.m, ticket)
-	if ok {
-		// Under the lock, so withdraw sees either the ticket or the
-		// conn. Buffered, and each ticket is claimed once: no wait.
-		ch <- conn
+	if !ok || !admit() {
+		return false
 	}
-	return ok
+	delete(t.m, ticket)
+	// Under the lock, so withdraw sees either the ticket or the conn.
+	// Buffered, and each ticket is claimed once: no wait.
+	ch <- conn
+	return true
 }
 
 // randomHex returns n random hex digits (n even).
@@ -119,8 +121,9 @@ func (k *directKeys) forget(key string) {
 // errDirectKey is a direct socket whose key names no session on this node.
 var errDirectKey = errors.New("direct socket key names no session")
 
-// attach hands conn to connection id of the session with key.
-func (k *directKeys) attach(key string, id uint64, conn net.Conn) error {
+// attach hands conn to connection id of the session with key, once admit,
+// called when the key checked out, agreed.
+func (k *directKeys) attach(key string, id uint64, conn net.Conn, admit func() bool) error {
 	if k.off != nil && k.off() {
 		return errDirectOff
 	}
@@ -136,6 +139,9 @@ func (k *directKeys) attach(key string, id uint64, conn net.Conn) error {
 	if s == nil {
 		return errDirectKey
 	}
+	if !admit() {
+		return errEvicted
+	}
 	return s.AttachDirect(id, conn)
 }
 
@@ -150,38 +156,54 @@ type laneCreds struct {
 }
 
 // errLaneTicket is a lane preface whose ticket no Connect stream is
-// waiting for (unknown, claimed, or given up).
-var errLaneTicket = errors.New("lane ticket is not waiting for a lane")
+// waiting for (unknown, claimed, or given up). errEvicted is a lane or
+// direct socket the guard closed (too slow, or evicted) as it presented
+// a valid one.
+var (
+	errLaneTicket = errors.New("lane ticket is not waiting for a lane")
+	errEvicted    = errors.New("the connection was closed while pending")
+)
 
 // ServerHandshake implements credentials.TransportCredentials. gRPC's
-// connection timeout bounds the reads: its deadline on raw lasts until the
-// handshake returns.
+// connection timeout bounds the handshake: its deadline on raw lasts until
+// the handshake returns. A gRPC connection's AuthInfo names the guarded
+// connection, which stays pending until a stream authenticates
+// (node.tapAuthenticate).
 func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	conn, ai, err := c.TransportCredentials.ServerHandshake(raw)
 	if err != nil {
 		return conn, ai, err
 	}
+	guarded, _ := raw.(*guardedConn)
 	var first [1]byte
 	if _, err := io.ReadFull(conn, first[:]); err != nil {
 		conn.Close()
 		return nil, nil, err
 	}
 	if first[0] != tunnelpb.LanePreface[0] {
+		if guarded != nil {
+			ai = guardAuthInfo{AuthInfo: ai, conn: guarded}
+		}
 		return &peekedConn{Conn: conn, first: first[0], unread: true}, ai, nil
 	}
-	// A lane: the guard lets it go (its ticket is checked next, within
-	// gRPC's handshake deadline), and the lane runs on the socket itself,
-	// which a plaintext lane writes with writev and splices into.
-	guarded, _ := raw.(*guardedConn)
-	if g := guarded; g != nil {
-		g.prove()
+	// A lane or direct socket: it stays pending until its ticket or key
+	// checked out, and must send its preface within the guard's preface
+	// time. It runs on the socket itself, which a plaintext lane writes
+	// with writev and splices into.
+	admit := func() bool { return true }
+	if guarded != nil {
+		admit = guarded.prove
+		raw.SetReadDeadline(time.Now().Add(guarded.g.timing.Load().preface))
 		if conn == raw {
-			conn = g.Conn
+			conn = guarded.Conn
 		}
-		raw = g.Conn
+		raw = guarded.Conn
 	}
-	if what, err := c.take(tunnelcore.OverSocket(conn, raw), guarded); err != nil {
+	if what, err := c.take(tunnelcore.OverSocket(conn, raw), guarded, admit); err != nil {
 		conn.Close()
+		if guarded != nil {
+			guarded.Close() // leaves the pending pool
+		}
 		if c.refused != nil {
 			c.refused(raw.RemoteAddr(), what, err)
 		}
@@ -191,7 +213,7 @@ func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInf
 
 // take reads the rest of a lane or direct socket preface and hands conn
 // to the ticket or the connection it names; what says which it was.
-func (c *laneCreds) take(conn net.Conn, guarded *guardedConn) (what string, err error) {
+func (c *laneCreds) take(conn net.Conn, guarded *guardedConn, admit func() bool) (what string, err error) {
 	hello := make([]byte, max(tunnelpb.LaneHelloLength, tunnelpb.DirectHelloLength))
 	hello[0] = tunnelpb.LanePreface[0]
 	prefix := len(tunnelpb.LanePreface)
@@ -208,10 +230,13 @@ func (c *laneCreds) take(conn net.Conn, guarded *guardedConn) (what string, err 
 		if err != nil {
 			return direct, err
 		}
+		if err := conn.SetReadDeadline(time.Time{}); err != nil {
+			return direct, err
+		}
 		if guarded != nil {
 			guarded.direct.Store(true)
 		}
-		err = c.direct.attach(key, id, conn)
+		err = c.direct.attach(key, id, conn, admit)
 		if errors.Is(err, tunnelcore.ErrNotDirect) {
 			// The key is right: tell the agent it is the connection, not
 			// the path (its other connections may still go direct).
@@ -224,10 +249,14 @@ func (c *laneCreds) take(conn net.Conn, guarded *guardedConn) (what string, err 
 	if _, err := io.ReadFull(conn, hello[prefix:]); err != nil {
 		return lane, fmt.Errorf("reading the lane preface: %w", err)
 	}
-	if string(hello[:prefix]) != tunnelpb.LanePreface || hello[len(hello)-1] != '\n' {
-		return lane, errors.New("malformed lane preface")
+	ticket, err := tunnelpb.ParseLaneHello(hello)
+	if err != nil {
+		return lane, err
 	}
-	if !c.tickets.claim(string(hello[prefix:len(hello)-1]), conn) {
+	if err := conn.SetReadDeadline(time.Time{}); err != nil {
+		return lane, err
+	}
+	if !c.tickets.claim(ticket, conn, admit) {
 		return lane, errLaneTicket
 	}
 	return lane, nil

@@ -26,16 +26,22 @@ func TestLaneTicketsAreGoodOnce(t *testing.T) {
 	}
 	a, b := net.Pipe()
 	defer b.Close()
-	if tickets.claim("0123456789abcdef0123456789abcdef", a) {
+	yes := func() bool { return true }
+	if tickets.claim("0123456789abcdef0123456789abcdef", a, yes) {
 		t.Fatal("an unknown ticket was claimed")
 	}
-	if !tickets.claim(ticket, a) {
+	// A connection the guard closed as it presented the ticket is not
+	// handed over, and the ticket waits for the agent's next try.
+	if tickets.claim(ticket, a, func() bool { return false }) {
+		t.Fatal("a lane the guard refused was claimed")
+	}
+	if !tickets.claim(ticket, a, yes) {
 		t.Fatal("the offered ticket was not claimed")
 	}
 	if got := receiveLane(t, lanes); got != a {
 		t.Fatal("the claimed lane did not reach the offer")
 	}
-	if tickets.claim(ticket, a) {
+	if tickets.claim(ticket, a, yes) {
 		t.Fatal("a ticket was claimed twice")
 	}
 	withdraw()
@@ -48,7 +54,7 @@ func TestLaneWithdrawClosesAnUntakenLane(t *testing.T) {
 	ticket, _, withdraw := tickets.offer()
 	a, b := net.Pipe()
 	defer b.Close()
-	if !tickets.claim(ticket, a) {
+	if !tickets.claim(ticket, a, func() bool { return true }) {
 		t.Fatal("claim failed")
 	}
 	withdraw()

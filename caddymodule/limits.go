@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/netip"
 	"sync"
 	"time"
 
@@ -21,9 +22,14 @@ type addrLimiter struct {
 
 func newAddrLimiter() *addrLimiter { return &addrLimiter{by: map[string]int{}} }
 
-// acquire takes one for addr's host unless limit (> 0) is reached.
+// acquire takes one for addr's host unless limit (> 0) is reached. A peer
+// without an IP address (a unix socket's, which all share one name) is
+// counted but never limited: the address names no one.
 func (l *addrLimiter) acquire(addr string, limit int) (release func(), ok bool) {
 	host := addrHost(addr)
+	if _, err := netip.ParseAddr(host); err != nil {
+		limit = 0
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if limit > 0 && l.by[host] >= limit {
@@ -40,12 +46,6 @@ func (l *addrLimiter) acquire(addr string, limit int) (release func(), ok bool) 
 			l.mu.Unlock()
 		})
 	}, true
-}
-
-func (l *addrLimiter) count(addr string) int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.by[addrHost(addr)]
 }
 
 func addrHost(addr string) string {
@@ -116,6 +116,8 @@ type NodeStats struct {
 	Refused        int64 // requests and connections refused by a limit
 	AwaitingAgent  int64 // requests waiting (lb_try_duration) for an agent to serve their host
 	PendingStreams int   // authenticated agent streams that have not advertised yet
+	PendingConns   int   // control connections that have not authenticated yet
+	AuthFailures   int64 // streams refused for a wrong or missing token
 	Draining       bool
 }
 
@@ -133,6 +135,8 @@ func Stats() []NodeStats {
 			Refused:        n.refused.Load(),
 			AwaitingAgent:  n.awaitingAgent.Load(),
 			PendingStreams: n.pending.count(),
+			PendingConns:   n.guard.pendingCount(),
+			AuthFailures:   n.authFailures.Load(),
 			Draining:       n.draining.Load(),
 		}
 		for _, a := range n.reg.sessions() {

@@ -2,7 +2,6 @@ package caddymodule
 
 import (
 	"context"
-	"crypto/subtle"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -70,7 +69,9 @@ type node struct {
 	agentErrLog    *logthrottle.Throttle // Error frames agents send
 	portLog        *logthrottle.Throttle // agent port routes rejected
 	portBindLog    *logthrottle.Throttle // agent ports bound and released
-	guard          *connGuard            // the control listener's unproven connections
+	guard          *connGuard            // the control listener's connections that have not authenticated
+	authLog        *logthrottle.Throttle // credentials refused
+	authFailures   atomic.Int64          // streams refused for their credential
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
@@ -135,6 +136,7 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		agentErrLog:    logthrottle.New(10*time.Second, 5),
 		portLog:        logthrottle.New(time.Minute, 5),
 		portBindLog:    logthrottle.New(10*time.Second, 64),
+		authLog:        logthrottle.New(10*time.Second, 5),
 		id:             ln.Addr().String(),
 		idleClosers:    map[any]func(){},
 		serveDone:      make(chan struct{}),
@@ -153,10 +155,15 @@ func newNode(addr string, ln net.Listener, cert *tls.Certificate, logger *zap.Lo
 		grpc.InitialWindowSize(tunnelcore.GRPCWindowSize),
 		grpc.InitialConnWindowSize(tunnelcore.GRPCWindowSize),
 		// Before a token is checked, a connection costs what these allow:
-		// a 16 KiB header block (gRPC's default, 16 MiB, let an unfinished
-		// one pin that much per connection), a few streams, 10 s to finish
-		// the handshake and 2 min without a stream. An agent's connection
-		// always carries its Connect stream, so it is never idle.
+		// the transport's buffers, a 16 KiB header block (gRPC's default,
+		// 16 MiB, let an unfinished one pin that much per connection) and
+		// 10 s to finish the handshake (the guard closes it sooner when it
+		// is silent). The token is checked on a stream's headers, before
+		// any message is read (tapAuthenticate), so the message size and
+		// windows below are what authenticated streams get. An agent's
+		// connection always carries its Connect stream, so it is never
+		// idle.
+		grpc.InTapHandle(n.tapAuthenticate),
 		grpc.MaxHeaderListSize(16 << 10),
 		grpc.MaxConcurrentStreams(16),
 		grpc.ConnectionTimeout(10 * time.Second),
@@ -252,29 +259,13 @@ type tunnelService struct {
 	n *node
 }
 
-// ListNodes returns this node; a cluster's membership comes later.
+// ListNodes returns this node; a cluster's membership comes later. Its
+// caller authenticated in the tap (tapAuthenticate).
 func (s *tunnelService) ListNodes(ctx context.Context, _ *tunnelpb.ListNodesRequest) (*tunnelpb.NodeList, error) {
-	if _, err := s.n.authorize(ctx); err != nil {
+	if _, err := authenticatedToken(ctx); err != nil {
 		return nil, err
 	}
 	return &tunnelpb.NodeList{Nodes: []*tunnelpb.Node{{Id: s.n.id}}}, nil
-}
-
-// authorize checks the bearer token in constant time and returns it.
-func (n *node) authorize(ctx context.Context) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	var got string
-	if v := md.Get("authorization"); len(v) > 0 {
-		if t, ok := strings.CutPrefix(v[0], "Bearer "); ok {
-			got = t
-		}
-	}
-	want := n.token.Load()
-	if want == nil || *want == "" || got == "" ||
-		subtle.ConstantTimeCompare([]byte(got), []byte(*want)) != 1 {
-		return "", status.Error(codes.Unauthenticated, "invalid or missing token")
-	}
-	return *want, nil
 }
 
 // errTokenChanged ends the sessions of agents that authenticated with a
@@ -322,12 +313,10 @@ func (s *tunnelService) Connect(stream grpc.BidiStreamingServer[tunnelpb.Frame, 
 	if n.draining.Load() {
 		return status.Error(codes.Unavailable, errDrainingNode.Error())
 	}
-	token, err := n.authorize(ctx)
+	token, err := authenticatedToken(ctx)
 	if err != nil {
-		n.logStream("agent rejected", remote, err)
 		return err
 	}
-	n.guard.prove(remote)
 	opts := n.opts.Load()
 	releasePending, err := n.admitStream(remote, opts)
 	if err != nil {
@@ -960,7 +949,8 @@ func cutUTF8(s string, n int) string {
 // routes. Routes it cannot take are returned as rejected, with the reason.
 func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*routeEntry) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
 	entries, rejected := validateRoutes(routes)
-	n.reg.bind(a, entries, previous)
+	entries, overBudget := n.reg.bind(a, entries, previous)
+	rejected = append(rejected, overBudget...)
 	opts := n.opts.Load()
 	kept := entries[:0]
 	for _, e := range entries {

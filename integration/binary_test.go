@@ -45,6 +45,13 @@ func buildAgent(t *testing.T) string {
 // failure messages.
 func startProcess(t *testing.T, name string, args ...string) *bytes.Buffer {
 	t.Helper()
+	_, out := launchProcess(t, name, args...)
+	return out
+}
+
+// launchProcess is startProcess that also returns the command.
+func launchProcess(t *testing.T, name string, args ...string) (*exec.Cmd, *bytes.Buffer) {
+	t.Helper()
 	var out bytes.Buffer
 	cmd := exec.Command(name, args...)
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -65,7 +72,7 @@ func startProcess(t *testing.T, name string, args ...string) *bytes.Buffer {
 			t.Logf("%s output:\n%s", filepath.Base(name), out.String())
 		}
 	})
-	return &out
+	return cmd, &out
 }
 
 // TestXcaddyBinarySmoke: the real binary lists the sluice modules and one

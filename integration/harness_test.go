@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -87,6 +88,9 @@ type caddyOptions struct {
 	// Sluice is extra lines inside the global sluice block, beside the
 	// loopback listen address and token (e.g. "max_connections 4").
 	Sluice string
+	// Listen is the control listen address, with {CONTROL} for the
+	// control port. Default 127.0.0.1:{CONTROL}.
+	Listen string
 	// Global is extra global options (layer4 blocks, servers options, more
 	// sluice settings: several sluice blocks merge).
 	Global string
@@ -160,7 +164,7 @@ func (c *caddyServer) caddyfile(body string) string {
 %s	log default {
 %s	}
 	sluice {
-		listen 127.0.0.1:%d
+		listen %s
 		token %s
 %s
 	}
@@ -168,8 +172,9 @@ func (c *caddyServer) caddyfile(body string) string {
 }
 
 %s
-`, c.storage, c.httpPort, c.httpsPort, redirects, logOpts, c.controlPort, testToken, c.opts.Sluice, c.opts.Global, body)
-	return strings.NewReplacer("{HTTP}", strconv.Itoa(c.httpPort), "{HTTPS}", strconv.Itoa(c.httpsPort)).Replace(cf)
+`, c.storage, c.httpPort, c.httpsPort, redirects, logOpts, cmp.Or(c.opts.Listen, "127.0.0.1:{CONTROL}"), testToken, c.opts.Sluice, c.opts.Global, body)
+	return strings.NewReplacer("{HTTP}", strconv.Itoa(c.httpPort), "{HTTPS}", strconv.Itoa(c.httpsPort),
+		"{CONTROL}", strconv.Itoa(c.controlPort)).Replace(cf)
 }
 
 // load adapts and loads the Caddyfile: the first call starts Caddy, a later

@@ -68,8 +68,17 @@ func (p *ProgressCreds) Clone() credentials.TransportCredentials {
 // connection's AuthInfo, or nil (other credentials, a connection that is not
 // TCP underneath, a platform without TCP_INFO).
 func ProgressOf(ai credentials.AuthInfo) func() uint64 {
-	if p, ok := ai.(progressAuthInfo); ok {
-		return p.progress
+	// Looks through AuthInfos that wrap this one (the node's own, which
+	// names the connection under it).
+	for range 8 {
+		switch a := ai.(type) {
+		case progressAuthInfo:
+			return a.progress
+		case interface{ Unwrap() credentials.AuthInfo }:
+			ai = a.Unwrap()
+		default:
+			return nil
+		}
 	}
 	return nil
 }

@@ -1,0 +1,100 @@
+package caddymodule
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"strings"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
+)
+
+// Authentication happens in gRPC's tap (grpc.InTapHandle), which runs on
+// a new stream's headers before the stream is handed to a handler and
+// before any of its messages is read: a stream without a valid credential
+// is refused at its headers, so what an unauthenticated client can make
+// the node buffer is one header block (MaxHeaderListSize), not a message
+// (gRPC reads and buffers a unary request whole before its handler runs).
+
+// maxAuthFailuresPerConn is how many streams with a wrong or missing
+// credential a control connection may open before the node closes it:
+// enough for an agent to read why it was refused, too few to guess.
+const maxAuthFailuresPerConn = 3
+
+// errUnauthenticated is every credential refusal, whatever was wrong, so
+// a guesser learns nothing from the answer.
+var errUnauthenticated = status.Error(codes.Unauthenticated, "invalid or missing token")
+
+// tokenKey is the context key of the token a stream authenticated with.
+type tokenKey struct{}
+
+// tapAuthenticate is the gRPC server's InTapHandle: it checks the stream's
+// bearer token in constant time. A valid one proves the connection (it
+// leaves the guard's pending pool) and rides on the stream's context to
+// its handler (authenticatedToken); a wrong or missing one is counted,
+// logged through a throttle, and closes the connection at its
+// maxAuthFailuresPerConn-th.
+func (n *node) tapAuthenticate(ctx context.Context, info *tap.Info) (context.Context, error) {
+	token, ok := n.checkToken(info.Header)
+	conn := guardedConnOf(ctx)
+	if !ok {
+		n.authFailed(ctx, conn)
+		return nil, errUnauthenticated
+	}
+	if conn != nil && !conn.prove() {
+		// Evicted or expired as its stream arrived: it is closed.
+		return nil, status.Error(codes.Unavailable, "connection closed")
+	}
+	return context.WithValue(ctx, tokenKey{}, token), nil
+}
+
+// checkToken returns the node's token when header carries it.
+func (n *node) checkToken(header metadata.MD) (string, bool) {
+	var got string
+	if v := header.Get("authorization"); len(v) > 0 {
+		got, _ = strings.CutPrefix(v[0], "Bearer ")
+	}
+	want := n.token.Load()
+	if want == nil || *want == "" || got == "" ||
+		subtle.ConstantTimeCompare([]byte(got), []byte(*want)) != 1 {
+		return "", false
+	}
+	return *want, true
+}
+
+// authFailed counts a refused credential and closes its connection at its
+// maxAuthFailuresPerConn-th.
+func (n *node) authFailed(ctx context.Context, conn *guardedConn) {
+	total := n.authFailures.Add(1)
+	closed := false
+	if conn != nil && conn.authFailures.Add(1) >= maxAuthFailuresPerConn {
+		conn.Close()
+		closed = true
+	}
+	remote := "unknown"
+	if p, ok := peer.FromContext(ctx); ok {
+		remote = p.Addr.String()
+	}
+	if ok, suppressed := n.authLog.Allow(); ok {
+		n.log().Warn("agent authentication failed: invalid or missing token", zap.String("remote", remote),
+			zap.Bool("connection_closed", closed), zap.Int64("failures_total", total),
+			zap.Int("suppressed_since_last", suppressed))
+	}
+}
+
+// errNotAuthenticated is a handler reached without the tap (a server set
+// up without it): refused, never served.
+var errNotAuthenticated = errors.New("stream did not pass the node's credential check")
+
+// authenticatedToken returns the token the stream's tap accepted.
+func authenticatedToken(ctx context.Context) (string, error) {
+	if t, ok := ctx.Value(tokenKey{}).(string); ok {
+		return t, nil
+	}
+	return "", status.Error(codes.Unauthenticated, errNotAuthenticated.Error())
+}
