@@ -111,10 +111,9 @@ type App struct {
 	// MaxSessions bounds the agent sessions; beyond it a new agent stream
 	// is refused with RESOURCE_EXHAUSTED (agents retry with backoff). An
 	// agent replacing its own session, or succeeding its one leaving
-	// session (shutting down), is always admitted. Default 1024,
-	// as the reference has it: every session holds its routes, patterns
-	// and buffers, so a leaked token must not be able to open them
-	// without end.
+	// session (shutting down), is always admitted. Default 1024: every
+	// session holds its routes, patterns and buffers, so a leaked token
+	// must not be able to open them without end.
 	MaxSessions int `json:"max_sessions,omitempty"`
 
 	// MaxSessionsPerAddress bounds the sessions from one address. 0: no limit.
@@ -168,6 +167,7 @@ type App struct {
 	cert      *tls.Certificate // the control plane's certificate; nil: plaintext
 	portRange portRange
 	node      *node
+	listen    func() (net.Listener, error) // binds the control address (node.serve)
 	logger    *zap.Logger
 
 	applied *nodeOptions // the options Start gave the node
@@ -246,26 +246,17 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := checkTCPBind(a.TCPBind, a.TCPPortRange); err != nil {
 		return err
 	}
+	// The node is shared by every config naming the address; it listens
+	// from the first Start on (listen), not here: `caddy validate`
+	// provisions a config without starting it, and must neither bind the
+	// port nor take agents' connections.
 	val, _, err := nodePool.LoadOrNew(nodeKey(na.String()), func() (caddy.Destructor, error) {
-		lnAny, err := na.Listen(ctx, 0, net.ListenConfig{})
-		if err != nil {
-			return nil, fmt.Errorf("sluice: listen %s: %w", a.Listen, err)
-		}
-		ln, ok := lnAny.(net.Listener)
-		if !ok {
-			return nil, fmt.Errorf("sluice: listen: %s is not a stream address", a.Listen)
-		}
-		a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", a.cert != nil))
-		if a.cert == nil && reachableBeyondHost(ln.Addr()) {
-			// Said once per listener, not per reload.
-			a.logger.Warn("the sluice control plane serves plaintext beyond loopback: agents' tokens cross the network in the clear; give the global sluice block a tls certificate (agents dial grpcs://) unless the network is trusted",
-				zap.String("address", ln.Addr().String()))
-		}
-		return newNode(na.String(), ln, a.cert, a.logger), nil
+		return newNode(na.String(), a.cert, a.logger), nil
 	})
 	if err != nil {
 		return err
 	}
+	a.listen = func() (net.Listener, error) { return a.listenControl(ctx, na) }
 	a.node = val.(*node) // Cleanup releases it, also when Provision fails below
 	if a.node.tls != (a.cert != nil) {
 		return fmt.Errorf("sluice: tls_cert_file: the control plane on %s is already listening %s; "+
@@ -376,7 +367,28 @@ func (a *App) generatedToken() (string, error) {
 	return token, nil
 }
 
-// Start hands this config's settings to the shared node.
+// listenControl binds the control address; the node calls it once, when it
+// starts serving.
+func (a *App) listenControl(ctx caddy.Context, na caddy.NetworkAddress) (net.Listener, error) {
+	lnAny, err := na.Listen(ctx, 0, net.ListenConfig{})
+	if err != nil {
+		return nil, fmt.Errorf("sluice: listen %s: %w", a.Listen, err)
+	}
+	ln, ok := lnAny.(net.Listener)
+	if !ok {
+		return nil, fmt.Errorf("sluice: listen: %s is not a stream address", a.Listen)
+	}
+	a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", a.cert != nil))
+	if a.cert == nil && reachableBeyondHost(ln.Addr()) {
+		// Said once per listener, not per reload.
+		a.logger.Warn("the sluice control plane serves plaintext beyond loopback: agents' tokens cross the network in the clear; give the global sluice block a tls certificate (agents dial grpcs://) unless the network is trusted",
+			zap.String("address", ln.Addr().String()))
+	}
+	return ln, nil
+}
+
+// Start hands this config's settings to the shared node, and starts it
+// serving if this is the first config that uses it.
 func (a *App) Start() error {
 	a.prev = nodeSettings{
 		token: a.node.token.Load(), cert: a.node.cert.Load(), logger: a.node.logger.Load(),
@@ -413,7 +425,7 @@ func (a *App) Start() error {
 	}
 	a.prev.opts = a.node.opts.Swap(a.applied)
 	a.node.applyPortOptions(a.prev.opts, a.applied)
-	return nil
+	return a.node.serve(a.listen)
 }
 
 // Stop implements caddy.App. The node keeps running: the next config may

@@ -98,3 +98,34 @@ func authenticatedToken(ctx context.Context) (string, error) {
 	}
 	return "", status.Error(codes.Unauthenticated, errNotAuthenticated.Error())
 }
+
+// errTokenChanged ends the sessions of agents that authenticated with a
+// token a reload replaced: a rotated token must lock out whoever held the
+// old one, not only their next connection.
+var errTokenChanged = errors.New("the node's token changed; reconnect with the new one")
+
+// endSessionsOfOldTokens ends the sessions that authenticated with a token
+// other than the node's current one, after a reload that changed it took
+// over, and logs how many.
+func (n *node) endSessionsOfOldTokens() {
+	cur := n.token.Load()
+	if cur == nil {
+		return
+	}
+	if ended := n.endSessionsWithout(*cur); ended > 0 {
+		n.log().Warn("sluice: token changed; ended the sessions that authenticated with the old one", zap.Int("sessions", ended))
+	}
+}
+
+// endSessionsWithout closes the sessions that authenticated with another
+// token than token.
+func (n *node) endSessionsWithout(token string) int {
+	ended := 0
+	for _, a := range n.reg.sessions() {
+		if a.token != token {
+			a.sess.CloseWithError(errTokenChanged)
+			ended++
+		}
+	}
+	return ended
+}

@@ -2,17 +2,16 @@ package caddymodule
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"strconv"
-
-	"github.com/dustin/go-humanize"
-	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/dustin/go-humanize"
 )
 
 func init() {
@@ -216,10 +215,26 @@ func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler,
 	if len(sh.Upstreams) > 0 || sh.DynamicUpstreamsRaw != nil {
 		return nil, d.Err("sluice: upstreams are the connected agents; remove `to`/`dynamic`")
 	}
-	if sh.TransportRaw != nil && !strings.Contains(string(sh.TransportRaw), `"protocol":"sluice"`) {
+	if name, err := transportModule(sh.TransportRaw); err != nil || (name != "" && name != "sluice") {
 		return nil, d.Err("sluice: transport: only `transport sluice { ... }` is allowed")
 	}
 	return sh, nil
+}
+
+// transportModule returns the name of the transport module of
+// reverse_proxy's raw transport config ("" when none is set): its inline
+// key, "protocol".
+func transportModule(raw json.RawMessage) (string, error) {
+	if raw == nil {
+		return "", nil
+	}
+	var key struct {
+		Protocol string `json:"protocol"`
+	}
+	if err := json.Unmarshal(raw, &key); err != nil {
+		return "", fmt.Errorf("transport: %w", err)
+	}
+	return key.Protocol, nil
 }
 
 func int64Arg(d *caddyfile.Dispenser, dst *int64) error {

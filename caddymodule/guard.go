@@ -69,9 +69,11 @@ var defaultGuardTiming = guardTiming{firstByte: 2 * time.Second, pending: 10 * t
 // /64) may hold, in multiples of the per-address limit.
 const prefixPerAddress = 4
 
-func newConnGuard(ln net.Listener, n *node) *connGuard {
+// newConnGuard returns the guard of n's control listener, which serve sets
+// as its Listener before the first Accept.
+func newConnGuard(n *node) *connGuard {
 	g := &connGuard{
-		Listener: ln, n: n, log: logthrottle.New(10*time.Second, 5),
+		n: n, log: logthrottle.New(10*time.Second, 5),
 		byAddr: map[netip.Addr]int{}, byPrefix: map[netip.Prefix]int{},
 	}
 	t := defaultGuardTiming

@@ -213,7 +213,10 @@ func TestGuardOnUnixSocket(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := newNode("test", ln, nil, zap.NewNop())
+	n := newNode("test", nil, zap.NewNop())
+	if err := n.serve(func() (net.Listener, error) { return ln, nil }); err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(n.drainNow)
 	t.Cleanup(func() { ln.Close() })
 	n.opts.Store(&nodeOptions{maxPending: 8, maxPendingPerAddr: 1})

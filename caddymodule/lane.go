@@ -11,7 +11,10 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
@@ -307,3 +310,84 @@ func (l *laneStream) Close(cause error) {
 
 // Interface guards
 var _ credentials.TransportCredentials = (*laneCreds)(nil)
+
+// offerLane offers the stream a data lane (unless the node's data_lane is
+// off) and with it direct sockets (unless direct_sockets is off) in the
+// response header, which it sends at once either way: an agent waits for
+// the header before it sends its Advertise. The lane that claims the
+// ticket arrives on lanes; withdraw gives the offer up. directKey is the
+// key the session's direct sockets will present, once registered.
+func (n *node) offerLane(stream grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (lanes <-chan net.Conn, directKey string, withdraw func()) {
+	md := metadata.MD{}
+	withdraw = func() {}
+	if opts := n.opts.Load(); !opts.noDataLane {
+		var ticket string
+		ticket, lanes, withdraw = n.lanes.offer()
+		md.Set(tunnelpb.LaneHeader, ticket)
+		if !opts.noDirectSockets {
+			directKey = randomHex(tunnelpb.DirectKeyLength)
+			md.Set(tunnelpb.DirectHeader, directKey)
+		}
+	}
+	if err := stream.SendHeader(md); err != nil {
+		withdraw()
+		return nil, "", func() {}
+	}
+	return lanes, directKey, withdraw
+}
+
+// laneLinger bounds how long a lane whose session ended waits for the
+// agent to close its end before the node closes it (closeLane).
+const laneLinger = time.Second
+
+// closeLane closes a lane. After a session, the node has half-closed it
+// (laneStream.Close) and the session's receive loop reads what the agent
+// still sends until the agent, having read the node's last frames, closes
+// its end; only then is the lane closed, as closing it with bytes unread
+// would reset it and could discard what the agent had not read yet (such
+// as the answer to its Drain). An agent that does not close within
+// laneLinger is cut.
+func closeLane(lane tunnelcore.LaneStream, sessionRan bool) {
+	if sessionRan {
+		lane.CloseWrite()
+		t := time.NewTimer(laneLinger)
+		select {
+		case <-lane.RecvEnded():
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	lane.Close(nil)
+}
+
+// endWithGRPCStream ends a session on a data lane when the gRPC stream
+// beside it ends, or carries a frame it must not.
+func endWithGRPCStream(sess *tunnelcore.Session, grpcRecv <-chan recvResult) {
+	select {
+	case r := <-grpcRecv:
+		if r.err == nil {
+			r.env.Payload.Free()
+			r.err = errFrameBesideLane
+		}
+		sess.CloseWithError(r.err)
+	case <-sess.Done():
+	}
+}
+
+// directKeys returns the node's direct socket keys, refusing sockets
+// while the current config has direct_sockets off.
+func (n *node) directKeys() *directKeys {
+	n.direct.off = func() bool { return n.opts.Load().noDirectSockets }
+	return &n.direct
+}
+
+// laneRefused logs a lane connection that presented no ticket the node is
+// waiting for (a lane that came too late, or not an agent), or a direct
+// socket whose key or connection the node does not have (what names
+// which).
+func (n *node) laneRefused(remote net.Addr, what string, err error) {
+	if ok, suppressed := n.streamLog.Allow(); ok {
+		n.log().Info(what+" refused", zap.Stringer("remote", remote), zap.Error(err),
+			zap.Int("suppressed_since_last", suppressed))
+	}
+}

@@ -76,10 +76,10 @@ func receiveLane(t *testing.T, lanes <-chan net.Conn) net.Conn {
 	}
 }
 
-// handshake runs laneCreds' server side over a pipe whose client writes
+// laneHandshake runs laneCreds' server side over a pipe whose client writes
 // hello first; the pipe's deadline bounds it, as gRPC's connection timeout
 // bounds a real handshake.
-func handshake(t *testing.T, c *laneCreds, hello string) (net.Conn, net.Conn, error) {
+func laneHandshake(t *testing.T, c *laneCreds, hello string) (net.Conn, net.Conn, error) {
 	t.Helper()
 	server, client := net.Pipe()
 	server.SetDeadline(time.Now().Add(5 * time.Second))
@@ -97,7 +97,7 @@ func TestLaneCredsSplitLanesFromGRPC(t *testing.T) {
 
 	t.Run("gRPC gets every byte", func(t *testing.T) {
 		preface := "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-		conn, _, err := handshake(t, c, preface)
+		conn, _, err := laneHandshake(t, c, preface)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -110,7 +110,7 @@ func TestLaneCredsSplitLanesFromGRPC(t *testing.T) {
 	t.Run("a lane with its ticket leaves gRPC", func(t *testing.T) {
 		ticket, lanes, withdraw := tickets.offer()
 		defer withdraw()
-		_, _, err := handshake(t, c, string(tunnelpb.LaneHello(ticket))+"after")
+		_, _, err := laneHandshake(t, c, string(tunnelpb.LaneHello(ticket))+"after")
 		if !errors.Is(err, credentials.ErrConnDispatched) {
 			t.Fatalf("err %v, want ErrConnDispatched", err)
 		}

@@ -50,7 +50,10 @@ func testNode(t *testing.T) *node {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	n := newNode("test", ln, nil, zap.NewNop())
+	n := newNode("test", nil, zap.NewNop())
+	if err := n.serve(func() (net.Listener, error) { return ln, nil }); err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(n.drainNow)
 	return n
 }

@@ -192,9 +192,8 @@ func (t *Transport) RequestHeaderOps() *headers.HeaderOps { return nil }
 // replaces, which leaves a TIME_WAIT socket on the agent's host. With 64
 // concurrent clients and 32 kept, wrk through sluice opened 1,300-1,650
 // upstream connections per 5 s (enough, at higher rates, to run the agent's
-// host out of ephemeral ports, caddy#938); with 256 kept, none. The CPU
-// saved is small on one host: over 8 paired rounds of bench/ab.sh, small
-// requests 4% faster. Idle ones still close after the transport's idle
+// host out of ephemeral ports, caddy#938); with 256 kept, none (the CPU
+// saved on one host is small). Idle ones still close after the transport's idle
 // timeout (keep_alive.idle_timeout, 2 min), and when the node reaches
 // max_connections. Caddy's maintainers weighed raising their own default
 // for busy proxies (caddy#7318).

@@ -2,13 +2,22 @@ package integration
 
 import (
 	"bytes"
+	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // caddyBinary returns the xcaddy-built Caddy named by SLUICE_CADDY_BIN
@@ -138,4 +147,87 @@ func TestReadmeDemoCommand(t *testing.T) {
 	if err != nil || !strings.Contains(string(out), "Hello from the private upstream") {
 		t.Fatalf("demo/run.sh --check: %v\n%s", err, out)
 	}
+}
+
+// TestValidateTakesNoAgentConnection: `caddy validate` of a config whose
+// control address another Caddy serves neither binds it (Caddy listens
+// with SO_REUSEPORT: a validating process that bound it would take a share
+// of the agents' new connections and drop them as it exits) nor leaves
+// anything listening: the control plane listens from App.Start, which
+// validate never runs.
+func TestValidateTakesNoAgentConnection(t *testing.T) {
+	caddyBin := caddyBinary(t)
+	c := startCaddy(t, "")
+	control := fmt.Sprintf("127.0.0.1:%d", c.controlPort)
+	spare := freePort(t)
+	dir := t.TempDir()
+	caddyfile := filepath.Join(dir, "Caddyfile")
+	os.WriteFile(caddyfile, []byte(fmt.Sprintf(`{
+	admin off
+	persist_config off
+	storage file_system %s
+	sluice {
+		listen %s
+		token %s
+	}
+}
+
+http://127.0.0.1:%d {
+	sluice
+}
+`, filepath.Join(dir, "data"), control, testToken, spare)), 0o644)
+
+	// Agents' connections, each new, each asking ListNodes with the token,
+	// for as long as the validations run.
+	stop := make(chan struct{})
+	var calls, failed atomic.Int64
+	var firstErr atomic.Value
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := listNodesOnce(control); err != nil {
+				failed.Add(1)
+				firstErr.CompareAndSwap(nil, err.Error())
+			}
+			calls.Add(1)
+		}
+	}()
+	for range 5 {
+		if out, err := exec.Command(caddyBin, "validate", "--config", caddyfile, "--adapter", "caddyfile").CombinedOutput(); err != nil {
+			t.Fatalf("caddy validate: %v\n%s", err, out)
+		}
+	}
+	close(stop)
+	<-done
+	if failed.Load() > 0 {
+		t.Fatalf("%d of %d agent connections failed while caddy validate ran: %v", failed.Load(), calls.Load(), firstErr.Load())
+	}
+	if calls.Load() == 0 {
+		t.Fatal("no agent connection was made while caddy validate ran")
+	}
+	if c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", spare), time.Second); err == nil {
+		c.Close()
+		t.Fatalf("something listens on the validated site's port %d after validate returned", spare)
+	}
+}
+
+// listNodesOnce opens a new connection to the control address and asks
+// ListNodes with the token.
+func listNodesOnce(control string) error {
+	cc, err := grpc.NewClient(control, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
+	if err != nil {
+		return err
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+testToken), 5*time.Second)
+	defer cancel()
+	_, err = tunnelpb.NewTunnelClient(cc).ListNodes(ctx, &tunnelpb.ListNodesRequest{})
+	return err
 }

@@ -1,0 +1,159 @@
+package caddymodule
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"unicode/utf8"
+
+	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// names lists the route names for a log line: the first maxLoggedRoutes,
+// then how many more.
+func names(es []*routeEntry) []string {
+	out := make([]string, 0, min(len(es), maxLoggedRoutes+1))
+	for i, e := range es {
+		if i == maxLoggedRoutes {
+			out = append(out, fmt.Sprintf("(%d more)", len(es)-i))
+			break
+		}
+		out = append(out, routeName(e.route))
+	}
+	return out
+}
+
+// What an agent may put in the node's log lines is bounded: its id
+// (ident.CheckID, as the agent itself enforces), its build string, the
+// routes listed, the text of its Error frames.
+const (
+	maxBuildLength   = 256
+	maxLoggedRoutes  = 32
+	maxLoggedMessage = 256
+)
+
+// truncate shortens s to at most n bytes, marking the cut.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return cutUTF8(s, n) + "…"
+}
+
+// cutUTF8 returns the longest prefix of s of at most n bytes that does not
+// split a UTF-8 character: strings the node sends go into proto string
+// fields, which must stay valid UTF-8 (a frame that does not marshal ends
+// the session).
+func cutUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}
+
+// admit validates an agent's routes and claims the ports of its listen-port
+// routes. Routes it cannot take are returned as rejected, with the reason.
+func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*routeEntry) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
+	entries, rejected := validateRoutes(routes)
+	entries, overBudget := n.reg.bind(a, entries, previous)
+	rejected = append(rejected, overBudget...)
+	opts := n.opts.Load()
+	kept := entries[:0]
+	for _, e := range entries {
+		if e.route.GetListenPort() == 0 {
+			kept = append(kept, e)
+			continue
+		}
+		if err := n.ports.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
+			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route), ListenPort: e.route.GetListenPort(), Reason: err.Error()})
+			if ok, suppressed := n.portLog.Allow(); ok {
+				n.log().Warn("agent port route rejected", zap.String("agent", a.agentID), zap.Uint32("port", e.route.GetListenPort()),
+					zap.Error(err), zap.Int("suppressed_since_last", suppressed))
+			}
+			continue
+		}
+		kept = append(kept, e)
+	}
+	return kept, rejected
+}
+
+// readmitLocked replaces a registered session's routes with routes (a
+// repeated Advertise, or its last one again after a reload changed the port
+// options) and answers with a fresh AdvertiseAck. The agent retries what
+// is rejected with its backoff. Callers hold admitMu.
+func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
+	select {
+	case <-a.sess.Done():
+		// An Advertise dispatched as the session ended: its end released
+		// the ports and routes already (under admitMu), and claiming them
+		// again would bind ports to a dead session for good.
+		return
+	default:
+	}
+	if a.leaving.Load() {
+		// The agent is shutting down (leave): its routes stay withdrawn,
+		// also when a reload re-admits the port routes of every session.
+		return
+	}
+	a.advertised = routes
+	old := a.currentRoutes(&n.reg.mu)
+	entries, rejected := n.admit(a, routes, old)
+	n.reg.reroute(a, entries)
+	n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
+	n.sendAck(a, rejected)
+}
+
+// applyPortOptions re-admits the listen-port routes when the port options
+// changed from old to new in a way that matters: a different range, or a
+// different tcp_bind while a range is set (without one nothing is bound).
+func (n *node) applyPortOptions(old, new *nodeOptions) {
+	rangeChanged := old.portRange != new.portRange
+	rebind := old.tcpBind != new.tcpBind && (old.portRange.lo != 0 || new.portRange.lo != 0)
+	if rangeChanged || rebind {
+		n.portOptionsChanged(rebind)
+	}
+}
+
+// portOptionsChanged re-admits the listen-port routes of every session
+// after a reload changed tcp_port_range or tcp_bind: ports the new range
+// excludes are released (connections already relayed keep running) and
+// reported rejected to their agents, ports it now includes are bound at
+// once, and a new tcp_bind rebinds every port. Sessions without
+// listen-port routes are left alone, their pooled connections with them.
+func (n *node) portOptionsChanged(rebind bool) {
+	n.admitMu.Lock()
+	defer n.admitMu.Unlock()
+	sessions := n.reg.sessions()
+	if rebind {
+		n.ports.closeAll()
+		// Largest agent id first: a port's smaller ids then join the
+		// claim as its owner, and the larger ones stay as standbys (a
+		// claim refuses a larger id only once a smaller one holds it).
+		slices.SortFunc(sessions, func(x, y *agentSession) int { return strings.Compare(y.agentID, x.agentID) })
+	}
+	readmitted := 0
+	for _, a := range sessions {
+		if slices.ContainsFunc(a.advertised, func(r *tunnelpb.Route) bool { return r.GetListenPort() != 0 }) {
+			n.readmitLocked(a, a.advertised)
+			readmitted++
+		}
+	}
+	if readmitted > 0 {
+		n.log().Info("port options changed; agent port routes re-admitted", zap.Int("sessions", readmitted))
+	}
+}
+
+// releasePorts gives up the port claims of routes.
+func (n *node) releasePorts(routes []*routeEntry) {
+	for _, e := range routes {
+		if e.route.GetListenPort() != 0 {
+			n.ports.release(e)
+		}
+	}
+}
