@@ -26,6 +26,7 @@ import (
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
 	"github.com/sluice-tunnel/sluice/internal/ident"
+	"github.com/sluice-tunnel/sluice/internal/route"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -159,6 +160,9 @@ type Upstream struct {
 	// patternInsts is the size of pattern's program (hostname.CompilePattern).
 	patternInsts int
 	prefixes     []netip.Prefix // parsed AllowedCIDRs
+	// kind is route.Classify's kind of the route the upstream is
+	// advertised as, decided by Validate (Kind).
+	kind route.Kind
 	// origin names where the upstream came from when not the config
 	// file ("SLUICE_UPSTREAMS[1]", "-upstream[0]"), for Validate's
 	// errors: the merged list's index is in no source the user wrote.
@@ -230,28 +234,32 @@ func (u Upstream) Prefixes() []netip.Prefix {
 	return u.prefixes
 }
 
+// Kind returns the upstream's kind of route, as the node classifies the
+// route it is advertised as (valid after Validate; route.Invalid before,
+// or for an upstream Validate rejected).
+func (u Upstream) Kind() route.Kind {
+	return u.kind
+}
+
 // IsCatchAll reports whether the upstream takes every HTTP host no other
-// upstream matches: no host, no host pattern and no listen port, and
-// either an http:// or https:// target or the name "*" (host '*'). A
-// tcp:// upstream with a name and none of them is a named service (see
-// IsNamedService).
+// upstream matches (valid after Validate): no host, no host pattern and no
+// listen port, and either an http:// or https:// target or the name "*"
+// (host '*'). A tcp:// upstream with a name and none of them is a named
+// service (see IsNamedService).
 func (u Upstream) IsCatchAll() bool {
-	return u.hostless() && !u.IsNamedService()
+	return u.kind == route.CatchAll
 }
 
 // IsNamedService reports whether the upstream is a raw TCP service reached
-// by its name only (layer4's `sluice NAME`), never by HTTP: a tcp://
-// target, no host, host pattern or listen port, and a name other than "*".
+// by its name only (layer4's `sluice NAME`), never by HTTP (valid after
+// Validate): a tcp:// target, no host, host pattern or listen port, and a
+// name other than "*".
 func (u Upstream) IsNamedService() bool {
-	return u.hostless() && u.isTCP() && u.Name != "*"
+	return u.kind == route.NamedTCP
 }
 
-// hostless reports whether the upstream has no host, host pattern or
-// listen port to be routed by.
-func (u Upstream) hostless() bool {
-	return (u.Host == "" || u.Host == "*") && u.HostPattern == "" && u.ListenPort == 0
-}
-
+// isTCP reports whether the target is tcp://, before Validate parsed it
+// too.
 func (u Upstream) isTCP() bool {
 	return u.scheme == "tcp" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(u.Target)), "tcp://")
 }
@@ -582,323 +590,413 @@ var logLevels = map[string]bool{"debug": true, "info": true, "warn": true, "erro
 // (uint32 milliseconds).
 const maxIdleTimeout = time.Duration(math.MaxUint32) * time.Millisecond
 
+// problems collects Validate's errors, one per problem, each prefixed with
+// the path of the field it concerns ("upstreams[1].target: ...").
+type problems struct {
+	prefix string // "" for the Config, "upstreams[1]." for an upstream
+	errs   []error
+}
+
+// add records a problem of field (below the prefix).
+func (p *problems) add(field, format string, args ...any) {
+	p.errs = append(p.errs, fmt.Errorf("%s%s: %s", p.prefix, field, fmt.Sprintf(format, args...)))
+}
+
 // Validate normalises c (lowercases hosts and schemes, fills default names,
 // ID and log level, reads TokenFile into Token, parses server and targets)
 // and checks it. The error joins one error per problem, each prefixed with
 // the field it concerns, e.g. "upstreams[1].target: ...". Validate may be
 // called again on a validated Config.
 func (c *Config) Validate() error {
-	var errs []error
-	fail := func(field, format string, args ...any) {
-		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
-	}
+	var p problems
+	c.validateServer(&p)
+	c.validateToken(&p)
+	c.validateID(&p)
+	c.validateLimits(&p)
+	c.validateUpstreams(&p)
+	return errors.Join(p.errs...)
+}
 
-	// server
+// validateServer parses Server and checks the trust settings that go with
+// it (grpcs only).
+func (c *Config) validateServer(p *problems) {
 	c.Server = strings.TrimSpace(c.Server)
 	c.serverTLS, c.serverAddr = false, ""
 	if c.Server == "" {
-		fail("server", "required")
+		p.add("server", "required")
 	} else if scheme, hostport, err := parseURL(c.Server, "grpc or grpcs", "grpc", "grpcs"); err != nil {
-		fail("server", "%v", err)
+		p.add("server", "%v", err)
 	} else {
 		c.serverTLS, c.serverAddr = scheme == "grpcs", hostport
 	}
 	if !c.serverTLS && c.serverAddr != "" {
 		if c.Insecure {
-			fail("insecure", "only valid with a grpcs:// server")
+			p.add("insecure", "only valid with a grpcs:// server")
 		}
 		if c.CAFile != "" {
-			fail("ca_file", "only valid with a grpcs:// server")
+			p.add("ca_file", "only valid with a grpcs:// server")
 		}
 	}
 	if c.CAFile != "" {
 		if c.Insecure {
-			fail("ca_file", "insecure and ca_file are mutually exclusive")
+			p.add("ca_file", "insecure and ca_file are mutually exclusive")
 		}
 		if pem, err := os.ReadFile(c.CAFile); err != nil {
-			fail("ca_file", "%v", err)
+			p.add("ca_file", "%v", err)
 		} else if !x509.NewCertPool().AppendCertsFromPEM(pem) {
-			fail("ca_file", "%s: no PEM certificate found", c.CAFile)
+			p.add("ca_file", "%s: no PEM certificate found", c.CAFile)
 		}
 	}
+}
 
-	// token
+// validateToken reads TokenFile into Token, or checks Token.
+func (c *Config) validateToken(p *problems) {
 	c.Token = ident.TrimToken(c.Token)
 	switch {
 	case c.TokenFile != "" && c.Token != "" && (c.tokenFrom != c.TokenFile || c.tokenRead != c.Token):
-		fail("token", "token and token_file are mutually exclusive")
+		p.add("token", "token and token_file are mutually exclusive")
 	case c.TokenFile != "":
 		tok, err := readTokenFile(c.TokenFile)
 		if err != nil {
-			fail("token_file", "%v", err)
-			break
+			p.add("token_file", "%v", err)
+			return
 		}
 		c.Token, c.tokenFrom, c.tokenRead = tok, c.TokenFile, tok
 	case c.Token == "":
-		fail("token", "required (set token or token_file)")
+		p.add("token", "required (set token or token_file)")
 	default:
 		if err := ident.CheckToken(c.Token); err != nil {
-			fail("token", "%v", err)
+			p.add("token", "%v", err)
 		}
 	}
+}
 
-	// id
+// validateID checks ID, or fills a random one.
+func (c *Config) validateID(p *problems) {
 	c.ID = strings.TrimSpace(c.ID)
 	if c.ID == "" {
 		c.ID = NewID()
 	} else if err := ident.CheckID(c.ID); err != nil {
-		fail("id", "%v", err)
+		p.add("id", "%v", err)
 	}
+}
 
-	// log level, max connections
+// validateLimits checks the log level, the budgets and the shutdown grace,
+// filling their defaults.
+func (c *Config) validateLimits(p *problems) {
 	c.LogLevel = strings.ToLower(strings.TrimSpace(c.LogLevel))
 	if c.LogLevel == "" {
 		c.LogLevel = "info"
 	} else if !logLevels[c.LogLevel] {
-		fail("log_level", "%q not supported (want debug, info, warn or error)", c.LogLevel)
+		p.add("log_level", "%q not supported (want debug, info, warn or error)", c.LogLevel)
 	}
 	if c.TunnelBudget < 0 {
-		fail("tunnel_budget", "must be >= 0, got %d", c.TunnelBudget)
+		p.add("tunnel_budget", "must be >= 0, got %d", c.TunnelBudget)
 	}
 	if c.MaxConnections < 0 {
-		fail("max_connections", "must be >= 0, got %d", c.MaxConnections)
+		p.add("max_connections", "must be >= 0, got %d", c.MaxConnections)
 	}
 	switch {
 	case c.ShutdownGrace < 0:
-		fail("shutdown_grace", "must be >= 0, got %v", c.ShutdownGrace)
+		p.add("shutdown_grace", "must be >= 0, got %v", c.ShutdownGrace)
 	case c.ShutdownGrace == 0:
 		c.ShutdownGrace = DefaultShutdownGrace
 	case c.ShutdownGrace > tunnelpb.MaxLeaveGrace:
-		fail("shutdown_grace", "at most %v (the node ends a leaving agent's session then), got %v", tunnelpb.MaxLeaveGrace, c.ShutdownGrace)
+		p.add("shutdown_grace", "at most %v (the node ends a leaving agent's session then), got %v", tunnelpb.MaxLeaveGrace, c.ShutdownGrace)
 	}
+}
 
-	// upstreams
+// validateUpstreams checks each upstream, then what a node checks across
+// the routes of one Advertise (names, pattern size), and that no two
+// upstreams claim the same host, port or catch-all.
+func (c *Config) validateUpstreams(p *problems) {
 	switch {
 	case len(c.Upstreams) == 0:
-		fail("upstreams", "at least one upstream is required")
+		p.add("upstreams", "at least one upstream is required")
 	case len(c.Upstreams) > tunnelpb.MaxRoutesPerAdvertise:
-		fail("upstreams", "at most %d (a node takes no more routes from one agent), got %d", tunnelpb.MaxRoutesPerAdvertise, len(c.Upstreams))
+		p.add("upstreams", "at most %d (a node takes no more routes from one agent), got %d", tunnelpb.MaxRoutesPerAdvertise, len(c.Upstreams))
 	}
-	patternInsts := 0
-	names := map[string]int{}
-	routes := map[string]int{}
+	s := upstreamSet{c: c, names: map[string]int{}, routes: map[string]int{}}
 	for i := range c.Upstreams {
 		u := &c.Upstreams[i]
-		field := u.field(i)
-		n := len(errs)
-		errs = append(errs, u.validate(field)...)
-		if len(errs) > n {
+		if errs := u.validate(u.field(i)); len(errs) > 0 {
+			p.errs = append(p.errs, errs...)
 			continue
 		}
-		if j, ok := names[u.Name]; ok {
-			fail(field+".name", "duplicate name %q (also %s; a name defaults to the host, set name= to tell them apart)", u.Name, c.Upstreams[j].field(j))
-			continue
-		}
-		names[u.Name] = i
-		if patternInsts += u.patternInsts; patternInsts > tunnelpb.MaxAdvertisePatternInsts && u.patternInsts > 0 {
-			fail(field+".host_pattern", "the host patterns up to this one compile to %d regexp instructions, more than the %d a node takes from one agent",
-				patternInsts, tunnelpb.MaxAdvertisePatternInsts)
-		}
-		if key, what := u.routeKey(); key != "" {
-			if j, ok := routes[key]; ok {
-				fail(field, "%s already served by %s", what, c.Upstreams[j].field(j))
-			} else {
-				routes[key] = i
-			}
-		}
+		s.add(p, i)
 	}
-	return errors.Join(errs...)
 }
 
-// routeKey identifies what the upstream routes, to detect two upstreams
-// claiming the same host, listen port or catch-all.
+// upstreamSet is what validateUpstreams has seen of the upstreams before
+// the current one.
+type upstreamSet struct {
+	c            *Config
+	patternInsts int
+	names        map[string]int // name -> index
+	routes       map[string]int // routeKey -> index
+}
+
+// add checks the valid upstream i against the ones before it.
+func (s *upstreamSet) add(p *problems, i int) {
+	u, ups := &s.c.Upstreams[i], s.c.Upstreams
+	field := u.field(i)
+	if j, ok := s.names[u.Name]; ok {
+		p.add(field+".name", "duplicate name %q (also %s; a name defaults to the host, set name= to tell them apart)", u.Name, ups[j].field(j))
+		return
+	}
+	s.names[u.Name] = i
+	if s.patternInsts += u.patternInsts; s.patternInsts > tunnelpb.MaxAdvertisePatternInsts && u.patternInsts > 0 {
+		p.add(field+".host_pattern", "the host patterns up to this one compile to %d regexp instructions, more than the %d a node takes from one agent",
+			s.patternInsts, tunnelpb.MaxAdvertisePatternInsts)
+	}
+	if key, what := u.routeKey(); key != "" {
+		if j, ok := s.routes[key]; ok {
+			p.add(field, "%s already served by %s", what, ups[j].field(j))
+		} else {
+			s.routes[key] = i
+		}
+	}
+}
+
+// routeKey identifies what the upstream routes, by its kind, to detect two
+// upstreams claiming the same host, listen port or catch-all. Patterns may
+// overlap, and a named service's name is unique already: they have none.
 func (u *Upstream) routeKey() (key, what string) {
-	switch {
-	case u.ListenPort != 0:
+	switch u.kind {
+	case route.ListenPort:
 		return fmt.Sprintf("port:%d", u.ListenPort), fmt.Sprintf("listen_port %d", u.ListenPort)
-	case u.Host != "" && u.TLSPassthrough:
+	case route.PassthroughHost:
 		return "sni:" + u.Host, fmt.Sprintf("tls_passthrough host %q", u.Host)
-	case u.Host != "":
+	case route.Host, route.TCPHost:
 		return "host:" + u.Host, fmt.Sprintf("host %q", u.Host)
-	case u.HostPattern != "":
-		return "", ""
-	case u.IsNamedService():
-		return "", "" // its name is unique already
-	default:
+	case route.CatchAll:
 		return "catch-all", "catch-all"
 	}
+	return "", ""
 }
 
-// validate normalises and checks one upstream; field is its path.
+// validate normalises and checks one upstream; field is its path. Each
+// step reports its own problems; the kind is decided once the fields it
+// depends on (target, host, pattern, name) are normalised.
 func (u *Upstream) validate(field string) []error {
-	var errs []error
-	fail := func(sub, format string, args ...any) {
-		errs = append(errs, fmt.Errorf("%s.%s: %s", field, sub, fmt.Sprintf(format, args...)))
-	}
-	u.scheme, u.hostport, u.pattern, u.patternInsts, u.prefixes = "", "", nil, 0, nil
+	p := problems{prefix: field + "."}
+	u.scheme, u.hostport, u.pattern, u.patternInsts, u.prefixes, u.kind = "", "", nil, 0, nil, route.Invalid
 	catchAll := strings.TrimSpace(u.Host) == "*" // before Host is normalised to ""
+	u.validateTarget(&p)
+	u.validateHost(&p)
+	u.validatePattern(&p)
+	if u.InsecureSkipVerify && u.scheme != "" && u.scheme != "https" {
+		p.add("insecure_skip_verify", "only valid with an https:// target")
+	}
+	u.validateName(&p, catchAll)
+	u.classify(&p)
+	u.checkVerbatimTarget(&p)
+	if u.ListenPort < 0 || u.ListenPort > 65535 {
+		p.add("listen_port", "%d out of range 1..65535", u.ListenPort)
+	}
+	u.validateProxyProtocol(&p)
+	u.validateRewriteHost(&p)
+	u.validateCIDRs(&p)
+	u.validateIdleTimeout(&p)
+	return p.errs
+}
 
-	// target
+// validateTarget parses Target and rewrites it in the form the node is
+// sent: the node reads the target (tcp:// marks a verbatim route).
+func (u *Upstream) validateTarget(p *problems) {
 	u.Target = strings.TrimSpace(u.Target)
 	if u.Target == "" {
-		fail("target", "required")
+		p.add("target", "required")
 	} else if scheme, hostport, err := parseURL(u.Target, "http, https or tcp", "http", "https", "tcp"); err != nil {
-		fail("target", "%v", err)
+		p.add("target", "%v", err)
 	} else {
-		// The node reads the target it is sent (tcp:// marks a verbatim
-		// route), so it gets the normalised form.
 		u.scheme, u.hostport = scheme, hostport
 		u.Target = scheme + "://" + hostport
 	}
-	isTCP := u.scheme == "tcp"
-	haveTarget := u.scheme != ""
+}
 
-	// host, host_pattern
+// validateHost normalises Host as the node matches hosts: lower case,
+// no trailing dot, no brackets; "*" (the catch-all) becomes "".
+func (u *Upstream) validateHost(p *problems) {
 	u.Host = strings.TrimSuffix(strings.ToLower(strings.TrimSpace(u.Host)), ".")
 	if u.Host == "*" {
 		u.Host = ""
 	}
-	if u.Host != "" {
-		if h, err := stripBrackets(u.Host); err != nil {
-			fail("host", "%v", err)
-		} else if err := hostname.Check(h); err != nil {
-			fail("host", "%v", err)
-		} else {
-			u.Host = h
-		}
+	if u.Host == "" {
+		return
 	}
-	if u.HostPattern != "" {
-		if u.Host != "" {
-			fail("host_pattern", "host and host_pattern are mutually exclusive")
-		}
-		re, insts, err := hostname.CompilePattern(u.HostPattern)
-		switch {
-		case err != nil:
-			fail("host_pattern", "%v", err)
-		case hostname.UpperCaseLiteral(u.HostPattern) != 0:
-			// The node lower-cases hosts before matching: an upper-case
-			// letter matched literally never matches.
-			fail("host_pattern", "%q matches %q literally, but hosts are matched lower-cased (write it lower case, or start the pattern with (?i))",
-				u.HostPattern, hostname.UpperCaseLiteral(u.HostPattern))
-		default:
-			u.pattern, u.patternInsts = re, insts
-		}
+	if h, err := stripBrackets(u.Host); err != nil {
+		p.add("host", "%v", err)
+	} else if err := hostname.Check(h); err != nil {
+		p.add("host", "%v", err)
+	} else {
+		u.Host = h
 	}
-	hasHost := u.Host != "" || u.HostPattern != ""
+}
 
-	if u.InsecureSkipVerify && haveTarget && u.scheme != "https" {
-		fail("insecure_skip_verify", "only valid with an https:// target")
+// validatePattern compiles HostPattern within the node's bounds.
+func (u *Upstream) validatePattern(p *problems) {
+	if u.HostPattern == "" {
+		return
 	}
-	if u.TLSPassthrough {
-		if !hasHost {
-			fail("tls_passthrough", "requires host or host_pattern")
-		}
-		if haveTarget && !isTCP {
-			fail("tls_passthrough", "requires a tcp:// target")
-		}
-	}
-	if u.ListenPort != 0 {
-		if u.ListenPort < 1 || u.ListenPort > 65535 {
-			fail("listen_port", "%d out of range 1..65535", u.ListenPort)
-		}
-		if haveTarget && !isTCP {
-			fail("listen_port", "requires a tcp:// target")
-		}
-		if u.Host != "" {
-			fail("listen_port", "cannot be combined with host")
-		}
-		if u.HostPattern != "" {
-			fail("listen_port", "cannot be combined with host_pattern")
-		}
-		if u.TLSPassthrough {
-			fail("listen_port", "cannot be combined with tls_passthrough")
-		}
-	}
-
-	u.ProxyProtocol = strings.ToLower(strings.TrimSpace(u.ProxyProtocol))
-	switch u.ProxyProtocol {
-	case "":
-	case "v1", "v2":
-		if haveTarget && !isTCP {
-			fail("proxy_protocol", "only valid with a tcp:// target")
-		}
-	default:
-		fail("proxy_protocol", "%q not supported (want v1 or v2)", u.ProxyProtocol)
-	}
-	// A tcp:// route that takes HTTP (by host, host pattern or as the
-	// catch-all; Caddy may speak TLS to it) is spoken to by the node as
-	// any HTTP route: these two apply to it.
-	takesHTTP := !isTCP || (u.ListenPort == 0 && !u.TLSPassthrough && (u.Host != "" || u.HostPattern != "" || catchAll))
-	if u.ForceHTTP1 && !takesHTTP {
-		fail("force_http1", "only valid on a route that takes HTTP (not listen_port, tls_passthrough or a named tcp:// service)")
-	}
-	u.RewriteHost = strings.TrimSpace(u.RewriteHost)
-	if u.RewriteHost != "" {
-		if !takesHTTP {
-			fail("rewrite_host", "only valid on a route that takes HTTP (not listen_port, tls_passthrough or a named tcp:// service)")
-		}
-		if strings.ContainsFunc(u.RewriteHost, func(r rune) bool { return unicode.IsSpace(r) || r == '/' || !unicode.IsPrint(r) }) {
-			fail("rewrite_host", "%q is not a host[:port]", u.RewriteHost)
-		}
-	}
-
-	for j, s := range u.AllowedCIDRs {
-		p, err := netip.ParsePrefix(strings.TrimSpace(s))
-		if err != nil {
-			fail(fmt.Sprintf("allowed_cidrs[%d]", j), "%v", err)
-			continue
-		}
-		if p.Addr().Is4In6() && p.Bits() >= 96 {
-			// Client addresses are compared unmapped (as the node does):
-			// an IPv4-mapped prefix would match no one.
-			p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
-		}
-		u.AllowedCIDRs[j] = p.String()
-		u.prefixes = append(u.prefixes, p)
-	}
+	re, insts, err := hostname.CompilePattern(u.HostPattern)
 	switch {
-	case u.VerbatimIdleTimeout < 0:
-		fail("verbatim_idle_timeout", "must be >= 0, got %v", u.VerbatimIdleTimeout)
-	case u.VerbatimIdleTimeout > 0 && u.VerbatimIdleTimeout < time.Millisecond:
-		// The wire carries whole milliseconds: less would be sent as 0,
-		// the node's default.
-		fail("verbatim_idle_timeout", "must be 0 or at least 1ms, got %v", u.VerbatimIdleTimeout)
-	case u.VerbatimIdleTimeout > maxIdleTimeout:
-		fail("verbatim_idle_timeout", "must be at most %v", maxIdleTimeout)
-	case u.VerbatimIdleTimeout > 0 && haveTarget && !isTCP:
-		fail("verbatim_idle_timeout", "only valid with a tcp:// target")
+	case err != nil:
+		p.add("host_pattern", "%v", err)
+	case hostname.UpperCaseLiteral(u.HostPattern) != 0:
+		// The node lower-cases hosts before matching: an upper-case
+		// letter matched literally never matches.
+		p.add("host_pattern", "%q matches %q literally, but hosts are matched lower-cased (write it lower case, or start the pattern with (?i))",
+			u.HostPattern, hostname.UpperCaseLiteral(u.HostPattern))
+	default:
+		u.pattern, u.patternInsts = re, insts
 	}
+}
 
-	// name
+// validateName fills the default name (route.Name's rule, as the node
+// names a route without one) and checks it. A hostless tcp:// upstream
+// has no default: its name is what makes it a named service (route.NamedTCP)
+// rather than the catch-all, which host '*' asks for.
+func (u *Upstream) validateName(p *problems, catchAll bool) {
 	u.Name = strings.TrimSpace(u.Name)
 	if u.Name == "" {
-		switch {
-		case u.Host != "":
-			u.Name = u.Host
-		case u.HostPattern != "":
-			u.Name = u.HostPattern
-		case u.ListenPort != 0:
-			u.Name = ":" + strconv.Itoa(u.ListenPort)
-		case u.isTCP() && !catchAll:
-			fail("name", "a tcp:// upstream without host, host_pattern or listen_port is a service reached by its name (layer4's `sluice NAME`): set a name, or host '*' for the HTTP catch-all")
-		default:
-			u.Name = "*"
+		def := route.Name(&tunnelpb.Route{Host: u.Host, HostPattern: u.HostPattern, ListenPort: uint32(u.ListenPort)})
+		if def == "*" && u.isTCP() && !catchAll {
+			p.add("name", "a tcp:// upstream without host, host_pattern or listen_port is a service reached by its name (layer4's `sluice NAME`): set a name, or host '*' for the HTTP catch-all")
+		} else {
+			u.Name = def
 		}
 	} else if catchAll && u.isTCP() && u.Name != "*" {
 		// On the wire a hostless tcp:// route named otherwise is a named
 		// service, which HTTP never reaches.
-		fail("name", "a tcp:// catch-all (host '*') is named \"*\"; remove name %q, or host to make it a named service", u.Name)
+		p.add("name", "a tcp:// catch-all (host '*') is named \"*\"; remove name %q, or host to make it a named service", u.Name)
 	} else if strings.ContainsFunc(u.Name, func(r rune) bool { return !unicode.IsPrint(r) }) {
-		fail("name", "%q contains control characters", u.Name)
+		p.add("name", "%q contains control characters", u.Name)
 	}
 	if len(u.Name) > tunnelpb.MaxRouteNameLength {
 		what := "name"
 		if u.Name == u.HostPattern {
 			what = "name (host_pattern by default; set a shorter name)"
 		}
-		fail("name", "%s of %d bytes: the node takes at most %d", what, len(u.Name), tunnelpb.MaxRouteNameLength)
+		p.add("name", "%s of %d bytes: the node takes at most %d", what, len(u.Name), tunnelpb.MaxRouteNameLength)
 	}
-	return errs
+}
+
+// classify decides the upstream's kind as the node will, with
+// route.Classify on the fields it is advertised with, and reports the
+// fields that make no kind. Without a name (reported already) the kind
+// stays unknown: the name tells a named service from the catch-all.
+func (u *Upstream) classify(p *problems) {
+	kind, err := route.Classify(&tunnelpb.Route{
+		Name: u.Name, Host: u.Host, HostPattern: u.HostPattern, Target: u.Target,
+		TlsPassthrough: u.TLSPassthrough, ListenPort: uint32(u.ListenPort),
+	})
+	var invalid *route.InvalidError
+	if errors.As(err, &invalid) {
+		for _, pr := range invalid.Problems {
+			p.add(pr.Field, "%s", pr.Msg)
+		}
+		return
+	}
+	if u.Name == "" {
+		return
+	}
+	u.kind = kind
+}
+
+// checkVerbatimTarget checks that the fields asking the node to relay
+// connections verbatim (by port, or TLS by server name) come with a
+// tcp:// target: the connector speaks HTTP to the others. It checks the
+// fields, whatever else is wrong with the route. An invalid target is
+// reported already.
+func (u *Upstream) checkVerbatimTarget(p *problems) {
+	if u.scheme == "" || u.scheme == "tcp" {
+		return
+	}
+	if u.TLSPassthrough {
+		p.add("tls_passthrough", "requires a tcp:// target")
+	}
+	if u.ListenPort != 0 {
+		p.add("listen_port", "requires a tcp:// target")
+	}
+}
+
+// takesHTTP reports whether the node speaks HTTP on the upstream's route,
+// so that the HTTP options (force_http1, rewrite_host) apply: by its kind,
+// and for a route of unknown kind (reported already) by its target.
+func (u *Upstream) takesHTTP() bool {
+	if u.kind == route.Invalid {
+		return !u.isTCP()
+	}
+	return u.kind.TakesHTTP()
+}
+
+// validateProxyProtocol checks the PROXY protocol version (tcp:// only).
+func (u *Upstream) validateProxyProtocol(p *problems) {
+	u.ProxyProtocol = strings.ToLower(strings.TrimSpace(u.ProxyProtocol))
+	switch u.ProxyProtocol {
+	case "":
+	case "v1", "v2":
+		if u.scheme != "" && u.scheme != "tcp" {
+			p.add("proxy_protocol", "only valid with a tcp:// target")
+		}
+	default:
+		p.add("proxy_protocol", "%q not supported (want v1 or v2)", u.ProxyProtocol)
+	}
+}
+
+// validateRewriteHost checks the HTTP options: force_http1 and
+// rewrite_host apply to a route the node speaks HTTP on (a tcp:// one
+// reached by host or as the catch-all included: Caddy may speak TLS to it).
+func (u *Upstream) validateRewriteHost(p *problems) {
+	const onlyHTTP = "only valid on a route that takes HTTP (not listen_port, tls_passthrough or a named tcp:// service)"
+	if u.ForceHTTP1 && !u.takesHTTP() {
+		p.add("force_http1", onlyHTTP)
+	}
+	u.RewriteHost = strings.TrimSpace(u.RewriteHost)
+	if u.RewriteHost == "" {
+		return
+	}
+	if !u.takesHTTP() {
+		p.add("rewrite_host", onlyHTTP)
+	}
+	if strings.ContainsFunc(u.RewriteHost, func(r rune) bool { return unicode.IsSpace(r) || r == '/' || !unicode.IsPrint(r) }) {
+		p.add("rewrite_host", "%q is not a host[:port]", u.RewriteHost)
+	}
+}
+
+// validateCIDRs parses AllowedCIDRs and rewrites them in canonical form.
+func (u *Upstream) validateCIDRs(p *problems) {
+	for j, s := range u.AllowedCIDRs {
+		pfx, err := netip.ParsePrefix(strings.TrimSpace(s))
+		if err != nil {
+			p.add(fmt.Sprintf("allowed_cidrs[%d]", j), "%v", err)
+			continue
+		}
+		if pfx.Addr().Is4In6() && pfx.Bits() >= 96 {
+			// Client addresses are compared unmapped (as the node does):
+			// an IPv4-mapped prefix would match no one.
+			pfx = netip.PrefixFrom(pfx.Addr().Unmap(), pfx.Bits()-96)
+		}
+		u.AllowedCIDRs[j] = pfx.String()
+		u.prefixes = append(u.prefixes, pfx)
+	}
+}
+
+// validateIdleTimeout checks VerbatimIdleTimeout against what the wire
+// carries (whole milliseconds in a uint32).
+func (u *Upstream) validateIdleTimeout(p *problems) {
+	switch {
+	case u.VerbatimIdleTimeout < 0:
+		p.add("verbatim_idle_timeout", "must be >= 0, got %v", u.VerbatimIdleTimeout)
+	case u.VerbatimIdleTimeout > 0 && u.VerbatimIdleTimeout < time.Millisecond:
+		// Less would be sent as 0, the node's default.
+		p.add("verbatim_idle_timeout", "must be 0 or at least 1ms, got %v", u.VerbatimIdleTimeout)
+	case u.VerbatimIdleTimeout > maxIdleTimeout:
+		p.add("verbatim_idle_timeout", "must be at most %v", maxIdleTimeout)
+	case u.VerbatimIdleTimeout > 0 && u.scheme != "" && u.scheme != "tcp":
+		p.add("verbatim_idle_timeout", "only valid with a tcp:// target")
+	}
 }
 
 // parseURL parses scheme://host:port with an empty or "/" path; scheme must

@@ -19,7 +19,10 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/sluice-tunnel/sluice/internal/route"
 )
 
 func writeFile(t *testing.T, name, content string) string {
@@ -702,4 +705,56 @@ func FuzzParseConfig(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestAdvertisedRoutesClassifyAsValidated: for upstreams of every kind,
+// written as -upstream specs, the kind Validate decided (which its checks
+// switch on: route keys, the HTTP options) is the kind route.Classify
+// gives the route the agent advertises, which is the node's. An agent
+// deciding a kind on its own, or advertising fields other than it
+// classified, fails here.
+func TestAdvertisedRoutesClassifyAsValidated(t *testing.T) {
+	specs := map[route.Kind]string{
+		route.Host:               "app.example.com=http://127.0.0.1:3000",
+		route.HostPattern:        `host_pattern=.*\.apps\.example\.com,target=https://127.0.0.1:8443`,
+		route.CatchAll:           "*=http://127.0.0.1:3001",
+		route.TCPHost:            "legacy.example.com=tcp://127.0.0.1:8080,force_http1",
+		route.TCPHostPattern:     `host_pattern=.*\.legacy\.example\.com,target=tcp://127.0.0.1:8081`,
+		route.PassthroughHost:    "db.example.com=tcp://127.0.0.1:5432,tls_passthrough",
+		route.PassthroughPattern: `host_pattern=.*\.db\.example\.com,target=tcp://127.0.0.1:5433,tls_passthrough`,
+		route.NamedTCP:           "name=redis,target=tcp://127.0.0.1:6379",
+		route.ListenPort:         "listen_port=16379,target=tcp://127.0.0.1:6380",
+	}
+	var ups []Upstream
+	var want []route.Kind
+	for _, k := range route.Kinds() {
+		spec, ok := specs[k]
+		if !ok {
+			t.Errorf("kind %v: no upstream here; give it one", k)
+			continue
+		}
+		u, err := ParseUpstream(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ups, want = append(ups, u), append(want, k)
+	}
+	a, err := New(testConfig("127.0.0.1:1", "secret", ups...), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	routes := a.advertise().GetAdvertise().GetRoutes()
+	if len(routes) != len(want) {
+		t.Fatalf("advertised %d routes for %d upstreams", len(routes), len(want))
+	}
+	for i, rt := range routes {
+		u := a.cfg.Upstreams[i]
+		got, err := route.Classify(rt)
+		if err != nil || got != want[i] || u.Kind() != want[i] {
+			t.Errorf("%s: validated as %v, advertised as %v (%v); want %v", specs[want[i]], u.Kind(), got, err, want[i])
+		}
+		if u.IsCatchAll() != (got == route.CatchAll) || u.IsNamedService() != (got == route.NamedTCP) {
+			t.Errorf("%s: IsCatchAll %v, IsNamedService %v for a %v route", specs[want[i]], u.IsCatchAll(), u.IsNamedService(), got)
+		}
+	}
 }

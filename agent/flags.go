@@ -257,106 +257,145 @@ func looksLikeShortForm(key, val string) bool {
 // "insecure_skip_verfy") is reported instead of joining the pattern. The
 // result is not validated.
 func ParseUpstream(spec string) (Upstream, error) {
-	var u Upstream
-	fail := func(format string, args ...any) (Upstream, error) {
-		return Upstream{}, fmt.Errorf("upstream spec %q: %s", spec, fmt.Sprintf(format, args...))
-	}
 	if strings.TrimSpace(spec) == "" {
-		return fail("empty")
+		return Upstream{}, fmt.Errorf("upstream spec %q: empty", spec)
 	}
-	seen := map[string]bool{}
-	prev := ""
+	p := specParser{seen: map[string]bool{}}
 	for i, raw := range strings.Split(spec, ",") {
-		part := strings.TrimSpace(raw)
-		if part == "" {
-			continue
-		}
-		k, val, hasVal := strings.Cut(part, "=")
-		key := strings.ReplaceAll(strings.ToLower(strings.TrimSpace(k)), "-", "_")
-		val = strings.TrimSpace(val)
-		isBool, known := specKeys[key]
-		if !known {
-			switch {
-			case i == 0 && hasVal && looksLikeShortForm(k, val):
-				// short form HOST=TARGET; "*" is the catch-all.
-				host := strings.TrimSpace(k)
-				if host == "" {
-					return fail("empty host before '='")
-				}
-				u.Host = host // "*", the catch-all, as host=* (validate reads it)
-				u.Target = val
-				seen["host"], seen["target"] = true, true
-				prev = "target"
-				continue
-			case i == 0 && hasVal:
-				return fail("unknown key %q (in the short form HOST=TARGET, the target has a scheme: http://, https:// or tcp://)", strings.TrimSpace(k))
-			case hasVal || isWord(key):
-				return fail("unknown key %q", strings.TrimSpace(k))
-			case prev == "host_pattern":
-				u.HostPattern += "," + raw
-				continue
-			default:
-				return fail("%q is not key=value", part)
-			}
-		}
-		if seen[key] && key != "allowed_cidrs" {
-			return fail("%s given twice", key)
-		}
-		seen[key] = true
-		prev = key
-		if isBool {
-			b := true
-			if hasVal {
-				var err error
-				if b, err = strconv.ParseBool(val); err != nil {
-					return fail("%s: invalid boolean %q", key, val)
-				}
-			}
-			switch key {
-			case "insecure_skip_verify":
-				u.InsecureSkipVerify = b
-			case "tls_passthrough":
-				u.TLSPassthrough = b
-			case "force_http1":
-				u.ForceHTTP1 = b
-			}
-			continue
-		}
-		if !hasVal {
-			return fail("%s needs a value (%s=...)", key, key)
-		}
-		switch key {
-		case "name":
-			u.Name = val
-		case "host":
-			u.Host = val
-		case "host_pattern":
-			u.HostPattern = val
-		case "target":
-			u.Target = val
-		case "rewrite_host":
-			u.RewriteHost = val
-		case "listen_port":
-			n, err := strconv.Atoi(val)
-			if err != nil {
-				return fail("listen_port: invalid port %q", val)
-			}
-			u.ListenPort = n
-		case "proxy_protocol":
-			u.ProxyProtocol = val
-		case "allowed_cidrs":
-			u.AllowedCIDRs = append(u.AllowedCIDRs, strings.Fields(val)...)
-		case "verbatim_idle_timeout":
-			d, err := time.ParseDuration(val)
-			if err != nil {
-				return fail("verbatim_idle_timeout: invalid duration %q", val)
-			}
-			u.VerbatimIdleTimeout = d
+		if err := p.pair(i, raw); err != nil {
+			return Upstream{}, fmt.Errorf("upstream spec %q: %w", spec, err)
 		}
 	}
+	u := p.u
 	u.HostPattern = strings.TrimSpace(u.HostPattern)
 	if u.Target == "" {
-		return fail("target missing")
+		return Upstream{}, fmt.Errorf("upstream spec %q: target missing", spec)
 	}
 	return u, nil
+}
+
+// specParser is ParseUpstream's state between the pairs of a spec.
+type specParser struct {
+	u    Upstream
+	seen map[string]bool // keys given
+	prev string          // the key of the previous pair
+}
+
+// specPair is one comma-separated piece of a spec.
+type specPair struct {
+	index  int
+	raw    string // as written, for a comma inside a host_pattern
+	part   string // raw, trimmed
+	rawKey string // the key as written
+	key    string // normalised: lower case, '-' read as '_'
+	val    string
+	hasVal bool
+}
+
+// pair applies the i-th comma-separated piece raw of a spec.
+func (p *specParser) pair(i int, raw string) error {
+	part := strings.TrimSpace(raw)
+	if part == "" {
+		return nil
+	}
+	k, val, hasVal := strings.Cut(part, "=")
+	sp := specPair{index: i, raw: raw, part: part, rawKey: k, val: strings.TrimSpace(val), hasVal: hasVal,
+		key: strings.ReplaceAll(strings.ToLower(strings.TrimSpace(k)), "-", "_")}
+	isBool, known := specKeys[sp.key]
+	if !known {
+		return p.unknownKey(sp)
+	}
+	if p.seen[sp.key] && sp.key != "allowed_cidrs" {
+		return fmt.Errorf("%s given twice", sp.key)
+	}
+	p.seen[sp.key] = true
+	p.prev = sp.key
+	if isBool {
+		return p.setBool(sp)
+	}
+	if !sp.hasVal {
+		return fmt.Errorf("%s needs a value (%s=...)", sp.key, sp.key)
+	}
+	return p.set(sp.key, sp.val)
+}
+
+// unknownKey handles a piece whose key is no key name: the short form
+// HOST=TARGET as the first piece, a comma inside a host_pattern, or an
+// error naming the key.
+func (p *specParser) unknownKey(sp specPair) error {
+	switch {
+	case sp.index == 0 && sp.hasVal && looksLikeShortForm(sp.rawKey, sp.val):
+		host := strings.TrimSpace(sp.rawKey)
+		if host == "" {
+			return errors.New("empty host before '='")
+		}
+		p.u.Host = host // "*", the catch-all, as host=* (validate reads it)
+		p.u.Target = sp.val
+		p.seen["host"], p.seen["target"] = true, true
+		p.prev = "target"
+		return nil
+	case sp.index == 0 && sp.hasVal:
+		return fmt.Errorf("unknown key %q (in the short form HOST=TARGET, the target has a scheme: http://, https:// or tcp://)", strings.TrimSpace(sp.rawKey))
+	case sp.hasVal || isWord(sp.key):
+		return fmt.Errorf("unknown key %q", strings.TrimSpace(sp.rawKey))
+	case p.prev == "host_pattern":
+		p.u.HostPattern += "," + sp.raw
+		return nil
+	default:
+		return fmt.Errorf("%q is not key=value", sp.part)
+	}
+}
+
+// setBool applies a boolean key, bare (true) or key=bool.
+func (p *specParser) setBool(sp specPair) error {
+	b := true
+	if sp.hasVal {
+		var err error
+		if b, err = strconv.ParseBool(sp.val); err != nil {
+			return fmt.Errorf("%s: invalid boolean %q", sp.key, sp.val)
+		}
+	}
+	switch sp.key {
+	case "insecure_skip_verify":
+		p.u.InsecureSkipVerify = b
+	case "tls_passthrough":
+		p.u.TLSPassthrough = b
+	case "force_http1":
+		p.u.ForceHTTP1 = b
+	}
+	return nil
+}
+
+// set applies a key=value pair of a key that takes a value.
+func (p *specParser) set(key, val string) error {
+	u := &p.u
+	switch key {
+	case "name":
+		u.Name = val
+	case "host":
+		u.Host = val
+	case "host_pattern":
+		u.HostPattern = val
+	case "target":
+		u.Target = val
+	case "rewrite_host":
+		u.RewriteHost = val
+	case "listen_port":
+		n, err := strconv.Atoi(val)
+		if err != nil {
+			return fmt.Errorf("listen_port: invalid port %q", val)
+		}
+		u.ListenPort = n
+	case "proxy_protocol":
+		u.ProxyProtocol = val
+	case "allowed_cidrs":
+		u.AllowedCIDRs = append(u.AllowedCIDRs, strings.Fields(val)...)
+	case "verbatim_idle_timeout":
+		d, err := time.ParseDuration(val)
+		if err != nil {
+			return fmt.Errorf("verbatim_idle_timeout: invalid duration %q", val)
+		}
+		u.VerbatimIdleTimeout = d
+	}
+	return nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/sluice-tunnel/sluice/internal/route"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -66,7 +67,7 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*rout
 	opts := n.opts.Load()
 	kept := entries[:0]
 	for _, e := range entries {
-		if e.route.GetListenPort() == 0 {
+		if e.kind != route.ListenPort {
 			kept = append(kept, e)
 			continue
 		}
@@ -139,6 +140,8 @@ func (n *node) portOptionsChanged(rebind bool) {
 	}
 	readmitted := 0
 	for _, a := range sessions {
+		// The advertised routes, rejected ones included: a port the old
+		// range refused may be in the new one.
 		if slices.ContainsFunc(a.advertised, func(r *tunnelpb.Route) bool { return r.GetListenPort() != 0 }) {
 			n.readmitLocked(a, a.advertised)
 			readmitted++
@@ -152,7 +155,7 @@ func (n *node) portOptionsChanged(rebind bool) {
 // releasePorts gives up the port claims of routes.
 func (n *node) releasePorts(routes []*routeEntry) {
 	for _, e := range routes {
-		if e.route.GetListenPort() != 0 {
+		if e.kind == route.ListenPort {
 			n.ports.release(e)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
+	"github.com/sluice-tunnel/sluice/internal/route"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -70,6 +71,7 @@ type agentSession struct {
 type routeEntry struct {
 	agent   *agentSession
 	route   *tunnelpb.Route
+	kind    route.Kind     // route.Classify's: where the table puts it
 	pattern *hostMatcher   // compiled host_pattern, nil otherwise
 	allowed []netip.Prefix // allowed_cidrs; empty allows every client
 	dial    string         // host part of the dial address
@@ -110,39 +112,15 @@ func allowedFor(routes []*routeEntry, addr string) []*routeEntry {
 	return routes
 }
 
-// httpRoutable reports whether the route may serve HTTP by host: listen-port
-// and passthrough routes never do, nor does a named service (see
-// namedService).
-func (e *routeEntry) httpRoutable() bool {
-	return e.route.GetListenPort() == 0 && !e.route.GetTlsPassthrough() && !e.namedService()
-}
-
-// namedService reports whether the route is an agent's named raw TCP
-// service (Redis, say): a tcp:// target, no host, pattern or port, and a
-// name other than the catch-all's "*". Layer4's `sluice NAME` reaches it;
-// taken as the HTTP catch-all it would be sent the HTTP requests for every
-// host no other route serves. A tcp:// catch-all named "*" (an agent's
-// host '*') stays one: Caddy may speak HTTP over TLS through it (the
-// transport's tls).
-func (e *routeEntry) namedService() bool {
-	return e.route.GetHost() == "" && e.pattern == nil && e.route.GetListenPort() == 0 &&
-		strings.HasPrefix(e.route.GetTarget(), "tcp://") && routeName(e.route) != "*"
-}
-
 // matchesByPattern reports whether the route serves the hosts its pattern
-// matches: it has one, and no host (which would take its place).
+// matches (by HTTP host or TLS server name): its patterns count against
+// the node's pattern budget.
 func (e *routeEntry) matchesByPattern() bool {
-	return e.pattern != nil && e.route.GetHost() == ""
-}
-
-// sniRoutable reports whether the route takes raw TCP connections by TLS
-// server name: passthrough routes, and host routes whose target is tcp://
-// (TLS terminated by Caddy's layer4 tls handler).
-func (e *routeEntry) sniRoutable() bool {
-	if e.route.GetListenPort() != 0 || (e.route.GetHost() == "" && e.pattern == nil) {
-		return false
+	switch e.kind {
+	case route.HostPattern, route.TCPHostPattern, route.PassthroughPattern:
+		return true
 	}
-	return e.route.GetTlsPassthrough() || strings.HasPrefix(e.route.GetTarget(), "tcp://")
+	return false
 }
 
 // routeTable is an immutable snapshot of every route; a new one is built on
@@ -263,10 +241,12 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 			reject(fmt.Sprintf("allowed_cidrs: %q is not a CIDR prefix", badCIDR))
 			continue
 		}
-		if rt.GetListenPort() != 0 && (rt.GetHost() != "" || rt.GetHostPattern() != "" || rt.GetTlsPassthrough()) {
-			reject("listen_port cannot be combined with host, host_pattern or tls_passthrough")
+		kind, err := route.Classify(rt)
+		if err != nil {
+			reject(err.Error()) // "listen_port: cannot be combined with host", ...
 			continue
 		}
+		e.kind = kind
 		if rt.GetListenPort() > 65535 {
 			reject("listen_port above 65535")
 			continue
@@ -276,20 +256,9 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 	return ok, rejected
 }
 
-// routeName is the name a route goes by in Connect frames.
+// routeName is the name a route goes by in Connect frames (route.Name).
 func routeName(rt *tunnelpb.Route) string {
-	switch {
-	case rt.GetName() != "":
-		return rt.GetName()
-	case rt.GetHost() != "":
-		return rt.GetHost()
-	case rt.GetHostPattern() != "":
-		return rt.GetHostPattern()
-	case rt.GetListenPort() != 0:
-		return ":" + strconv.Itoa(int(rt.GetListenPort()))
-	default:
-		return "*"
-	}
+	return route.Name(rt)
 }
 
 // bind ties entries to their session and names each with a dial address.
@@ -453,7 +422,7 @@ func (r *registry) rebuildLocked() {
 // dial address.
 func buildTable(agents, leaving []*agentSession) *routeTable {
 	slices.SortFunc(agents, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
-	t := &routeTable{
+	b := &tableBuilder{t: &routeTable{
 		replaced: make(chan struct{}),
 		exact:    map[string][]*routeEntry{},
 		byDial:   map[string]*routeEntry{},
@@ -461,51 +430,87 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 		byPort:   map[uint32][]*routeEntry{},
 		byName:   map[string][]*routeEntry{},
 		matchers: map[string]*hostMatcher{},
-	}
-	t.sniPatterns.first = true // see lookupSNI
-	groups := map[string]int{}
-	var distinct []*hostMatcher
+	}, groups: map[string]int{}}
+	b.t.sniPatterns.first = true // see lookupSNI
 	for _, a := range leaving {
 		for _, e := range a.routes {
-			t.byDial[e.dial] = e
+			b.t.byDial[e.dial] = e
 		}
 	}
 	for _, a := range agents {
 		for _, e := range a.routes {
-			t.byDial[e.dial] = e
-			t.byName[routeName(e.route)] = append(t.byName[routeName(e.route)], e)
-			if e.matchesByPattern() {
-				t.load.add(e.pattern)
-				if t.matchers[e.pattern.source] == nil {
-					t.matchers[e.pattern.source] = e.pattern
-				}
-			}
-			if p := e.route.GetListenPort(); p != 0 {
-				t.byPort[p] = append(t.byPort[p], e)
-			}
-			if e.sniRoutable() {
-				if h := e.route.GetHost(); h != "" {
-					t.sniExact[strings.ToLower(h)] = append(t.sniExact[strings.ToLower(h)], e)
-				} else {
-					t.sniPatterns.add(e, groups, &distinct)
-				}
-			}
-			if !e.httpRoutable() {
-				continue
-			}
-			switch {
-			case e.route.GetHost() != "":
-				h := strings.ToLower(e.route.GetHost())
-				t.exact[h] = append(t.exact[h], e)
-			case e.pattern != nil:
-				t.patterns.add(e, groups, &distinct)
-			default:
-				t.catchAll = append(t.catchAll, e)
-			}
+			b.add(e)
 		}
 	}
-	t.patterns.matchers, t.sniPatterns.matchers = distinct, distinct
-	if len(distinct) > 0 {
+	return b.finish()
+}
+
+// tableBuilder fills a new routeTable. The HTTP and SNI pattern indexes
+// share their distinct patterns (groups, distinct), so a pattern of both
+// runs once per lookup cache miss of each.
+type tableBuilder struct {
+	t        *routeTable
+	groups   map[string]int
+	distinct []*hostMatcher
+}
+
+// add indexes e by dial address and name, and where its kind is reached:
+// the one place that maps a route.Kind to the lookups that find it (every
+// kind has a case; TestTableHasAPlaceForEveryKind checks).
+func (b *tableBuilder) add(e *routeEntry) {
+	t := b.t
+	t.byDial[e.dial] = e
+	name := routeName(e.route)
+	t.byName[name] = append(t.byName[name], e)
+	if e.matchesByPattern() {
+		t.load.add(e.pattern)
+		if t.matchers[e.pattern.source] == nil {
+			t.matchers[e.pattern.source] = e.pattern
+		}
+	}
+	switch e.kind {
+	case route.Host:
+		b.addHTTPHost(e)
+	case route.TCPHost:
+		b.addSNIHost(e)
+		b.addHTTPHost(e)
+	case route.HostPattern:
+		t.patterns.add(e, b.groups, &b.distinct)
+	case route.TCPHostPattern:
+		t.sniPatterns.add(e, b.groups, &b.distinct)
+		t.patterns.add(e, b.groups, &b.distinct)
+	case route.CatchAll:
+		t.catchAll = append(t.catchAll, e)
+	case route.PassthroughHost:
+		b.addSNIHost(e)
+	case route.PassthroughPattern:
+		t.sniPatterns.add(e, b.groups, &b.distinct)
+	case route.NamedTCP:
+		// Reached by its name alone (byName, above).
+	case route.ListenPort:
+		p := e.route.GetListenPort()
+		t.byPort[p] = append(t.byPort[p], e)
+	}
+}
+
+// addHTTPHost indexes e by its host for HTTP requests.
+func (b *tableBuilder) addHTTPHost(e *routeEntry) {
+	h := strings.ToLower(e.route.GetHost())
+	b.t.exact[h] = append(b.t.exact[h], e)
+}
+
+// addSNIHost indexes e by its host for TLS server names.
+func (b *tableBuilder) addSNIHost(e *routeEntry) {
+	h := strings.ToLower(e.route.GetHost())
+	b.t.sniExact[h] = append(b.t.sniExact[h], e)
+}
+
+// finish hands the pattern indexes their shared matchers and returns the
+// table.
+func (b *tableBuilder) finish() *routeTable {
+	t := b.t
+	t.patterns.matchers, t.sniPatterns.matchers = b.distinct, b.distinct
+	if len(b.distinct) > 0 {
 		t.patterns.cache, t.sniPatterns.cache = newLookupCache(), newLookupCache()
 	}
 	return t

@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -9,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
+	"github.com/sluice-tunnel/sluice/internal/route"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
@@ -147,7 +149,7 @@ func TestValidateRoutesRejects(t *testing.T) {
 		reasons = append(reasons, r.Name+": "+r.Reason)
 	}
 	got := strings.Join(reasons, "\n")
-	for _, want := range []string{"dup: duplicate route name", "host_pattern", "allowed_cidrs", "listen_port cannot be combined", "above 65535"} {
+	for _, want := range []string{"dup: duplicate route name", "host_pattern", "allowed_cidrs", "listen_port: cannot be combined with host", "above 65535"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("rejections lack %q:\n%s", want, got)
 		}
@@ -396,4 +398,77 @@ func fillPatternBudget(tb testing.TB, r *registry) *registry {
 		tb.Fatal("the budget refused nothing")
 	}
 	return r
+}
+
+// TestTableHasAPlaceForEveryKind: the route table puts a route where its
+// kind (route.Classify) says it is reached, and only there. A kind added to
+// route.Kinds without an example here, or without a case in
+// tableBuilder.add (it would be found by name only), fails.
+func TestTableHasAPlaceForEveryKind(t *testing.T) {
+	examples := map[route.Kind]struct {
+		route  *tunnelpb.Route
+		places string
+	}{
+		route.Host:               {&tunnelpb.Route{Host: "h.test", Target: "http://x:1"}, "http-host name"},
+		route.HostPattern:        {&tunnelpb.Route{HostPattern: `.*\.p\.test`, Target: "http://x:1"}, "http-pattern name"},
+		route.CatchAll:           {&tunnelpb.Route{Target: "http://x:1"}, "catch-all name"},
+		route.TCPHost:            {&tunnelpb.Route{Host: "t.test", Target: "tcp://x:1"}, "http-host sni-host name"},
+		route.TCPHostPattern:     {&tunnelpb.Route{HostPattern: `.*\.tp\.test`, Target: "tcp://x:1"}, "http-pattern sni-pattern name"},
+		route.PassthroughHost:    {&tunnelpb.Route{Host: "s.test", TlsPassthrough: true, Target: "tcp://x:1"}, "sni-host name"},
+		route.PassthroughPattern: {&tunnelpb.Route{HostPattern: `.*\.sp\.test`, TlsPassthrough: true, Target: "tcp://x:1"}, "sni-pattern name"},
+		route.NamedTCP:           {&tunnelpb.Route{Name: "redis", Target: "tcp://x:1"}, "name"},
+		route.ListenPort:         {&tunnelpb.Route{ListenPort: 2222, Target: "tcp://x:1"}, "port name"},
+	}
+	for _, k := range route.Kinds() {
+		ex, ok := examples[k]
+		if !ok {
+			t.Errorf("kind %v: no example route here; give it one and a place in tableBuilder.add", k)
+			continue
+		}
+		if got, err := route.Classify(ex.route); got != k || err != nil {
+			t.Errorf("kind %v: its example classifies as %v, %v", k, got, err)
+			continue
+		}
+		r := newRegistry()
+		e := register(t, r, "a", ex.route).routes[0]
+		places := placesOf(r.table.Load(), e)
+		if e.kind != k || places != ex.places {
+			t.Errorf("kind %v: entry of kind %v found in %q, want %q", k, e.kind, places, ex.places)
+		}
+		if http := strings.Contains(places, "http-") || strings.Contains(places, "catch-all"); http != k.TakesHTTP() {
+			t.Errorf("kind %v: in an HTTP index %v, but TakesHTTP() is %v", k, http, k.TakesHTTP())
+		}
+	}
+}
+
+// placesOf lists the indexes of t that hold e, in a fixed order (byDial,
+// which holds every route, is left out).
+func placesOf(t *routeTable, e *routeEntry) string {
+	has := func(es []*routeEntry) bool { return slices.Contains(es, e) }
+	inMap := func(m map[string][]*routeEntry) bool {
+		for _, es := range m {
+			if has(es) {
+				return true
+			}
+		}
+		return false
+	}
+	inPorts := false
+	for _, es := range t.byPort {
+		inPorts = inPorts || has(es)
+	}
+	var places []string
+	for _, p := range []struct {
+		in   bool
+		name string
+	}{
+		{inMap(t.exact), "http-host"}, {has(t.patterns.entries), "http-pattern"}, {has(t.catchAll), "catch-all"},
+		{inMap(t.sniExact), "sni-host"}, {has(t.sniPatterns.entries), "sni-pattern"},
+		{inPorts, "port"}, {inMap(t.byName), "name"},
+	} {
+		if p.in {
+			places = append(places, p.name)
+		}
+	}
+	return strings.Join(places, " ")
 }

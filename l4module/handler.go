@@ -8,7 +8,11 @@ package l4module
 
 import (
 	"errors"
+	"fmt"
+	"io"
 	"net"
+	"os"
+	"syscall"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -18,6 +22,7 @@ import (
 
 	"github.com/sluice-tunnel/sluice/caddymodule"
 	"github.com/sluice-tunnel/sluice/internal/logthrottle"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 func init() {
@@ -33,7 +38,8 @@ type Handler struct {
 	// local port the client connected to (listen-port routes).
 	Route string `json:"route,omitempty"`
 
-	app     *caddymodule.App
+	// relay is the app's RelayTCP (a stand-in in tests).
+	relay   func(net.Conn, caddymodule.TCPTarget) error
 	logger  *zap.Logger
 	noRoute *logthrottle.Throttle
 }
@@ -52,13 +58,14 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	h.app = appAny.(*caddymodule.App)
+	h.relay = appAny.(*caddymodule.App).RelayTCP
 	h.logger = ctx.Logger()
 	h.noRoute = logthrottle.New(10*time.Second, 1)
 	return nil
 }
 
-// Handle implements layer4.NextHandler.
+// Handle implements layer4.NextHandler. It returns only the relay's real
+// failures (see relayError).
 func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	target := caddymodule.TCPTarget{Route: h.Route}
 	if sni, ok := cx.Replacer().GetString("l4.tls.server_name"); ok {
@@ -70,17 +77,57 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	if a, ok := (conn{cx}).NetConn().LocalAddr().(*net.TCPAddr); ok {
 		target.LocalPort = uint32(a.Port)
 	}
-	err := h.app.RelayTCP(conn{cx}, target)
-	if errors.Is(err, caddymodule.ErrNoRoute) {
+	return h.relayError(h.relay(conn{cx}, target), target, cx.RemoteAddr().String())
+}
+
+// relayError is what Handle returns for the relay's result err. caddy-l4
+// logs a handler's error at ERROR level, once per connection ("handling
+// connection"), so it gets only real failures (the agent refused or could
+// not dial, its session ended mid-stream, an upstream reset), wrapped with
+// the connection's route. Not failures: the client hanging up, which is how
+// a connection ends (clientGone); a connection no agent serves, logged here
+// at WARN, throttled; one refused by allowed_cidrs or a connection limit,
+// which the node logged, throttled.
+func (h *Handler) relayError(err error, target caddymodule.TCPTarget, remote string) error {
+	switch {
+	case tunnelFailed(err):
+		// Before clientGone: a session's end wraps its cause, io.EOF say.
+	case err == nil, clientGone(err), errors.Is(err, caddymodule.ErrForbidden), errors.Is(err, caddymodule.ErrLimit):
+		return nil
+	case errors.Is(err, caddymodule.ErrNoRoute):
 		if ok, suppressed := h.noRoute.Allow(); ok {
 			h.logger.Warn("no agent serves connection; closed",
 				zap.String("route", target.Route), zap.String("server_name", target.ServerName),
-				zap.Uint32("local_port", target.LocalPort), zap.String("remote", cx.RemoteAddr().String()),
+				zap.Uint32("local_port", target.LocalPort), zap.String("remote", remote),
 				zap.Int("suppressed", suppressed))
 		}
 		return nil
 	}
-	return nil
+	return fmt.Errorf("sluice: relaying the connection of %s (route %q, server name %q, local port %d): %w",
+		remote, target.Route, target.ServerName, target.LocalPort, err)
+}
+
+// tunnelFailed reports whether err is the tunnel's side failing: the
+// agent aborted the connection (refused it, could not dial, its upstream
+// reset it) or the session ended under it.
+func tunnelFailed(err error) bool {
+	return errors.Is(err, tunnelcore.ErrConnReset) || errors.Is(err, tunnelcore.ErrSessionClosed)
+}
+
+// clientGone reports whether err is the client's side of the connection
+// ending: a reset or broken pipe of its socket, a read past its close, the
+// server's idle_timeout. The tunnel's side mostly fails with tunnelcore's
+// errors instead (a peer's Error, the session's end); the rare failure of
+// its own that looks like these (a direct socket's reset) goes unlogged
+// here.
+func clientGone(err error) bool {
+	for _, gone := range []error{io.EOF, io.ErrUnexpectedEOF, net.ErrClosed, os.ErrDeadlineExceeded,
+		syscall.ECONNRESET, syscall.EPIPE, syscall.ECONNABORTED} {
+		if errors.Is(err, gone) {
+			return true
+		}
+	}
+	return false
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
