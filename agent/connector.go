@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -35,6 +36,7 @@ type connector struct {
 	maxConns    int64
 	dialTimeout time.Duration
 	limitLog    *logthrottle.Throttle // refusals at maxConns
+	onEnd       func(ConnReport)      // WithConnEnd; nil: none
 
 	mu     sync.Mutex
 	active int64
@@ -92,37 +94,67 @@ func upstreamServerName(rewriteHost, hostport string) string {
 }
 
 // serve takes ownership of conn: it refuses it or relays it in a goroutine
-// of its own. ctx bounds the dial.
+// of its own. ctx bounds the dial. Every connection ends in one report
+// (finish).
 func (c *connector) serve(ctx context.Context, conn *tunnelcore.Conn) {
-	key := conn.Info().RouteKey
-	up := c.upstreams[key]
+	info := conn.Info()
+	rep := ConnReport{ID: conn.ID(), Route: info.RouteKey, ClientAddr: info.RemoteAddr, OpenedAt: time.Now()}
+	up := c.upstreams[rep.Route]
 	if up == nil {
-		c.log.Debug("connection for an unknown route refused", zap.String("route", key), zap.Uint64("conn_id", conn.ID()))
-		conn.Abort(tunnelpb.Error_REFUSED, fmt.Sprintf("route %s not served by this agent", key))
+		c.log.Debug("connection for an unknown route refused", zap.String("route", rep.Route), zap.Uint64("conn_id", conn.ID()))
+		c.refuse(conn, &rep, ConnUnknownRoute, tunnelpb.Error_REFUSED, fmt.Sprintf("route %s not served by this agent", rep.Route))
 		return
 	}
-	c.mu.Lock()
-	if c.active >= c.maxConns {
-		c.mu.Unlock()
+	rep.Target = up.cfg.Target
+	if !c.acquire() {
 		if ok, suppressed := c.limitLog.Allow(); ok {
-			c.log.Warn("connection limit reached; connection refused", zap.String("route", key),
+			c.log.Warn("connection limit reached; connection refused", zap.String("route", rep.Route),
 				zap.Int64("max_connections", c.maxConns), zap.Int("suppressed_since_last", suppressed))
 		}
-		conn.Abort(tunnelpb.Error_RESOURCE_EXHAUSTED, "agent connection limit reached")
+		c.refuse(conn, &rep, ConnLimit, tunnelpb.Error_RESOURCE_EXHAUSTED, "agent connection limit reached")
 		return
+	}
+	go func() {
+		defer c.wg.Done()
+		c.handle(ctx, conn, up, &rep)
+		c.release()
+		c.finish(&rep) // after release: a report's connection is out of Active
+	}()
+}
+
+// acquire takes a connection slot (and a place in wait's group), unless
+// maxConns are taken.
+func (c *connector) acquire() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.active >= c.maxConns {
+		return false
 	}
 	c.active++
 	c.wg.Add(1)
+	return true
+}
+
+// release gives back acquire's slot; the caller leaves wait's group.
+func (c *connector) release() {
+	c.mu.Lock()
+	c.active--
 	c.mu.Unlock()
-	go func() {
-		defer func() {
-			c.mu.Lock()
-			c.active--
-			c.mu.Unlock()
-			c.wg.Done()
-		}()
-		c.handle(ctx, conn, up)
-	}()
+}
+
+// refuse answers conn with code and reports it ended so.
+func (c *connector) refuse(conn *tunnelcore.Conn, rep *ConnReport, o ConnOutcome, code tunnelpb.Error_Code, msg string) {
+	conn.Abort(code, msg)
+	rep.Outcome, rep.Err = o, errors.New(msg)
+	c.finish(rep)
+}
+
+// finish completes rep and hands it to the WithConnEnd hook.
+func (c *connector) finish(rep *ConnReport) {
+	rep.Duration = time.Since(rep.OpenedAt)
+	if c.onEnd != nil {
+		c.onEnd(*rep)
+	}
 }
 
 // Active returns the number of connections being dialed or relayed.
@@ -159,42 +191,65 @@ func (c *connector) dialFailed(conn *tunnelcore.Conn, up *upstream, msg string, 
 	conn.Abort(tunnelpb.Error_DIAL_FAILED, err.Error())
 }
 
-func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstream) {
-	info := conn.Info()
-	target := up.cfg.Target
+// handle dials conn's upstream and relays; rep gets how it ended.
+func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstream, rep *ConnReport) {
 	uc, err := c.dial(ctx, up)
 	if err != nil {
-		if ctx.Err() != nil { // the session or the agent ended first: not the upstream's fault
-			c.log.Debug("upstream dial abandoned", zap.String("route", up.cfg.Name), zap.Uint64("conn_id", conn.ID()),
-				zap.NamedError("cause", context.Cause(ctx)))
-			conn.Abort(tunnelpb.Error_DIAL_FAILED, "agent stopped dialing: its session ended")
-			return
-		}
-		c.dialFailed(conn, up, "upstream dial failed", fmt.Errorf("dial %s: %w", target, err))
+		rep.Outcome, rep.Err = c.dialError(ctx, conn, up, err)
 		return
 	}
-	if v := up.cfg.ProxyProtocol; v != "" {
-		var hdr []byte
-		if v == "v2" {
-			hdr = proxyHeaderV2(info.RemoteAddr, info.LocalAddr)
-		} else {
-			hdr = proxyHeaderV1(info.RemoteAddr, info.LocalAddr)
-		}
-		uc.SetWriteDeadline(time.Now().Add(c.dialTimeout))
-		_, err := uc.Write(hdr)
-		uc.SetWriteDeadline(time.Time{})
-		if err != nil {
-			uc.Close()
-			c.dialFailed(conn, up, "upstream PROXY header failed", fmt.Errorf("dial %s: PROXY header: %w", target, err))
-			return
-		}
+	if err := c.sendProxyHeader(uc, up, conn.Info()); err != nil {
+		uc.Close()
+		rep.Outcome, rep.Err = ConnUpstreamFailed, fmt.Errorf("dial %s: PROXY header: %w", up.cfg.Target, err)
+		c.dialFailed(conn, up, "upstream PROXY header failed", rep.Err)
+		return
 	}
 	res := tunnelcore.Relay(uc, conn)
+	rep.FromClient, rep.ToClient, rep.Err = res.BToA, res.AToB, res.Err
+	if res.Err != nil {
+		rep.Outcome = ConnReset
+	}
 	c.log.Debug("connection relayed",
 		zap.String("route", up.cfg.Name), zap.Uint64("conn_id", conn.ID()),
-		zap.String("remote_addr", info.RemoteAddr),
+		zap.String("remote_addr", rep.ClientAddr),
 		zap.Int64("to_upstream", res.BToA), zap.Int64("from_upstream", res.AToB),
 		zap.NamedError("relay_error", res.Err))
+}
+
+// dialError answers a connection whose upstream dial failed and returns
+// the outcome: the session or the agent ending first is not the
+// upstream's fault, and is not logged as one.
+func (c *connector) dialError(ctx context.Context, conn *tunnelcore.Conn, up *upstream, err error) (ConnOutcome, error) {
+	err = fmt.Errorf("dial %s: %w", up.cfg.Target, err)
+	if ctx.Err() != nil {
+		c.log.Debug("upstream dial abandoned", zap.String("route", up.cfg.Name), zap.Uint64("conn_id", conn.ID()),
+			zap.NamedError("cause", context.Cause(ctx)))
+		conn.Abort(tunnelpb.Error_DIAL_FAILED, "agent stopped dialing: its session ended")
+		return ConnAbandoned, err
+	}
+	c.dialFailed(conn, up, "upstream dial failed", err)
+	if refusedDial(err) {
+		return ConnUpstreamRefused, err
+	}
+	return ConnUpstreamFailed, err
+}
+
+// sendProxyHeader writes the PROXY protocol header naming conn's client to
+// the upstream, for a route configured with one.
+func (c *connector) sendProxyHeader(uc net.Conn, up *upstream, info tunnelcore.ConnectInfo) error {
+	var hdr []byte
+	switch up.cfg.ProxyProtocol {
+	case "":
+		return nil
+	case "v2":
+		hdr = proxyHeaderV2(info.RemoteAddr, info.LocalAddr)
+	default:
+		hdr = proxyHeaderV1(info.RemoteAddr, info.LocalAddr)
+	}
+	uc.SetWriteDeadline(time.Now().Add(c.dialTimeout))
+	_, err := uc.Write(hdr)
+	uc.SetWriteDeadline(time.Time{})
+	return err
 }
 
 // dial connects to the upstream: plain TCP for tcp:// and http://, TLS for

@@ -268,8 +268,15 @@ func testConfig(addr, token string, ups ...Upstream) *Config {
 // startAgent runs an agent for cfg with a fast backoff; it is stopped at cleanup.
 func startAgent(t testing.TB, cfg *Config, tweak ...func(*Agent)) *runningAgent {
 	t.Helper()
+	return startAgentWith(t, cfg, nil, tweak...)
+}
+
+// startAgentWith is startAgent with options for New besides the backoff.
+func startAgentWith(t testing.TB, cfg *Config, opts []Option, tweak ...func(*Agent)) *runningAgent {
+	t.Helper()
 	core, logs := observer.New(zap.DebugLevel)
-	a, err := New(cfg, zap.New(core), WithBackoff(20*time.Millisecond, 200*time.Millisecond))
+	opts = append([]Option{WithBackoff(20*time.Millisecond, 200*time.Millisecond)}, opts...)
+	a, err := New(cfg, zap.New(core), opts...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"os"
 	"runtime"
@@ -26,7 +25,6 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
@@ -123,6 +121,7 @@ type Agent struct {
 	laneRetryAt atomic.Int64
 
 	backoffInitial, backoffMax time.Duration
+	onConnEnd                  func(ConnReport) // WithConnEnd; nil: none
 	ackTimeout                 time.Duration
 	drainMargin                time.Duration
 
@@ -180,6 +179,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 	}
 	a.creds = creds
 	a.conn = newConnector(cfg, lim.MaxConnections, logger)
+	a.conn.onEnd = a.onConnEnd
 	logLimits(logger, cfg, lim)
 	warnPlaintextToken(logger, cfg)
 	return a, nil
@@ -422,14 +422,6 @@ func displaced(err error) bool {
 	return code == codes.Aborted && strings.Contains(msg, tunnelpb.StatusReplaced)
 }
 
-// sessionResult is how one session attempt ended.
-type sessionResult struct {
-	connected bool          // the node acknowledged the Advertise
-	drained   bool          // the node sent Drain
-	err       error         // why it ended
-	uptime    time.Duration // how long it was connected
-}
-
 // connectHint says what to check for the connection errors a wrong server
 // setting produces, whose gRPC wording names none of it: a port that is
 // Caddy's HTTP site rather than the control plane, grpc:// against TLS and
@@ -612,374 +604,6 @@ func (a *Agent) token() string {
 		a.lastToken = tok
 	}
 	return tok
-}
-
-// session runs one session: dial, Advertise, wait for the Ack, serve until
-// the session ends or ctx is cancelled.
-func (a *Agent) session(ctx context.Context) (res sessionResult) {
-	_, hostport := a.cfg.ServerAddr()
-	cc, err := grpc.NewClient("dns:///"+hostport, a.dialOptions()...)
-	if err != nil {
-		return sessionResult{err: err}
-	}
-	defer cc.Close()
-
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	// Leaving before the node acknowledged gives the attempt up at once,
-	// also a dial still under way.
-	stopLeaveWatch := context.AfterFunc(a.leaveReq, cancel)
-	defer stopLeaveWatch()
-	sctx = metadata.AppendToOutgoingContext(sctx,
-		"authorization", "Bearer "+a.token(),
-		"x-sluice-id", a.cfg.ID)
-	st, err := tunnelpb.NewTunnelClient(cc).Connect(sctx)
-	if err != nil {
-		return sessionResult{err: err}
-	}
-	rs := &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
-	tr := a.sessionFrames(sctx, rs, cancel, hostport)
-	frames := tr.frames
-
-	acks := newLatestAck()
-	var drained atomic.Bool
-	drainCh := make(chan time.Duration, 1)
-	onControl := func(f *tunnelpb.Frame) {
-		switch k := f.Kind.(type) {
-		case *tunnelpb.Frame_AdvertiseAck:
-			acks.put(k.AdvertiseAck)
-		case *tunnelpb.Frame_Drain:
-			if drained.CompareAndSwap(false, true) {
-				grace := time.Duration(k.Drain.GetGraceMs()) * time.Millisecond
-				a.log.Info("node draining", zap.String("reason", k.Drain.GetReason()), zap.String("grace", grace.String()))
-				drainCh <- grace
-			}
-		case *tunnelpb.Frame_MembershipUpdate:
-			nodes := make([]string, 0, len(k.MembershipUpdate.GetNodes()))
-			for _, n := range k.MembershipUpdate.GetNodes() {
-				nodes = append(nodes, n.GetId()+"="+n.GetUrl())
-			}
-			a.log.Debug("membership update (ignored)", zap.Strings("nodes", nodes))
-		case *tunnelpb.Frame_Error:
-			a.log.Warn("node reported an error", zap.String("code", k.Error.GetCode().String()), zap.String("message", k.Error.GetMessage()))
-		default:
-			a.log.Debug("unexpected control frame ignored", zap.String("frame", fmt.Sprintf("%T", f.Kind)))
-		}
-	}
-	sess, err := tunnelcore.NewSession(frames, tunnelcore.Config{
-		Role:       tunnelcore.RoleAgent,
-		OnControl:  onControl,
-		Budget:     a.budget,
-		Progress:   tr.progress,
-		DirectDial: tr.directDial,
-		Logger:     a.log,
-	})
-	if err != nil {
-		frames.Close(err)
-		cancel()
-		return sessionResult{err: err}
-	}
-	if tr.onLane {
-		go watchGRPCBesideLane(sess, rs)
-	}
-	a.current.Store(sess)
-	defer a.current.Store(nil)
-	defer sess.Close()
-	// reason returns why the session ended, preferring the stream's status.
-	reason := func() error {
-		serr := sess.Err()
-		if code, _ := statusOf(serr); code != codes.Unknown && code != codes.OK {
-			return serr
-		}
-		t := time.NewTimer(recvErrWait)
-		defer t.Stop()
-		select {
-		case <-rs.recvDone:
-			if code, _ := statusOf(rs.recvErr); code != codes.Unknown && code != codes.OK && code != codes.Canceled {
-				return rs.recvErr
-			}
-		case <-t.C:
-		}
-		if serr == nil {
-			return errors.New("session ended")
-		}
-		return serr
-	}
-
-	adv := a.advertise()
-	if err := sess.SendControl(adv); err != nil {
-		return sessionResult{err: reason()}
-	}
-
-	// Wait for the AdvertiseAck.
-	ackTimer := time.NewTimer(a.ackTimeout)
-	var ack *tunnelpb.AdvertiseAck
-	select {
-	case <-acks.ready:
-		ack = acks.take()
-		ackTimer.Stop()
-		if !stopLeaveWatch() { // Leave came first: the stream is cancelled
-			return sessionResult{err: errLeft}
-		}
-	case <-sess.Done():
-		ackTimer.Stop()
-		return sessionResult{err: reason(), drained: drained.Load()}
-	case <-ctx.Done():
-		ackTimer.Stop()
-		return sessionResult{err: ctx.Err()}
-	case <-a.leaveReq.Done():
-		ackTimer.Stop()
-		return sessionResult{err: errLeft}
-	case <-ackTimer.C:
-		err := fmt.Errorf("no AdvertiseAck within %v", a.ackTimeout)
-		sess.CloseWithError(err)
-		return sessionResult{err: err}
-	}
-	connectedAt := time.Now()
-	res.connected = true
-	defer func() { res.uptime = time.Since(connectedAt) }()
-	routes := newRouteState()
-	a.log.Info("connected",
-		zap.String("server", a.cfg.Server),
-		zap.String("node_id", ack.GetNodeId()),
-		zap.Strings("routes", routes.update(a.log, ack)),
-		zap.Bool("data_lane", tr.onLane),
-		zap.Bool("direct_sockets", tr.directDial != nil),
-		zap.Bool("stall_progress", tr.progress != nil)) // see tunnelcore.Config.Progress
-	a.markConnected(ack.GetNodeId())
-
-	// Serve. The upstream dials are bounded by sctx, which ends with this
-	// session: a dial still under way when the session ends would serve a
-	// connection that is gone, and hold its max_connections slot while the
-	// next session's connections are refused.
-	acceptDone := make(chan struct{})
-	go func() {
-		defer close(acceptDone)
-		for {
-			conn, err := sess.Accept(ctx)
-			if err != nil {
-				return
-			}
-			a.conn.serve(sctx, conn)
-		}
-	}()
-	defer func() { <-acceptDone }()
-
-	// Rejected routes (a listen port outside the node's range, held by an agent
-	// with a smaller id, or in use) are retried by advertising again after a backoff.
-	readv := newBackoff(a.backoffInitial, a.backoffMax, nil)
-	var readvC <-chan time.Time
-	var readvTimer *time.Timer
-	scheduleReadvertise := func(rejected bool) {
-		if readvTimer != nil {
-			readvTimer.Stop()
-			readvTimer, readvC = nil, nil
-		}
-		if !rejected {
-			readv.Reset()
-			return
-		}
-		d := readv.Next()
-		a.log.Debug("re-advertising rejected routes later", zap.Duration("in", d))
-		readvTimer = time.NewTimer(d)
-		readvC = readvTimer.C
-	}
-	scheduleReadvertise(len(ack.GetRejected()) > 0)
-	defer func() {
-		if readvTimer != nil {
-			readvTimer.Stop()
-		}
-	}()
-	var drainC <-chan time.Time
-	leaveC := a.leaveReq.Done()
-	var lv *leaving
-	for {
-		select {
-		case <-ctx.Done():
-			if lv != nil { // Run's context ends with the grace (Run)
-				lv.cut(sess)
-			}
-			return sessionResult{connected: true, err: ctx.Err()}
-		case <-sess.Done():
-			err := reason()
-			if lv != nil {
-				// The node answers the Drain and may end the session at
-				// once: the answer was queued before the end, so take it
-				// before telling how the leave went.
-				if ack := acks.take(); ack != nil {
-					lv.answered(ack)
-				}
-				lv.ended(err, drained.Load())
-			}
-			return sessionResult{connected: true, err: err, drained: drained.Load()}
-		case <-leaveC:
-			leaveC = nil
-			scheduleReadvertise(false)
-			lv = a.startLeaving(sess)
-		case <-acks.ready:
-			ack := acks.take()
-			if ack == nil {
-				continue
-			}
-			if lv != nil {
-				lv.answered(ack)
-				continue
-			}
-			routes.update(a.log, ack)
-			scheduleReadvertise(len(ack.GetRejected()) > 0)
-		case <-readvC:
-			readvTimer, readvC = nil, nil
-			if lv != nil {
-				continue
-			}
-			if err := sess.SendControl(adv); err != nil {
-				continue // the session ended; sess.Done reports it
-			}
-		case grace := <-drainCh:
-			// The node ends the session after the grace period; if it does
-			// not, end it here so the agent reconnects.
-			t := time.NewTimer(grace + a.drainMargin)
-			defer t.Stop()
-			drainC = t.C
-		case <-drainC:
-			sess.CloseWithError(errors.New("node drained"))
-		}
-	}
-}
-
-// errLeft ends a session the agent left (Leave).
-var errLeft = errors.New("agent shutting down")
-
-// leaving is the state of a session the agent is leaving: it sent Drain
-// and serves on until the node ends the session, which it does once no
-// connection is open nor being opened (only the node knows of the opens
-// it has under way), or until the grace is over.
-type leaving struct {
-	a         *Agent
-	withdrawn bool // the node answered: nothing new will be routed here
-}
-
-// startLeaving sends the node Drain, with the grace Leave's ctx leaves.
-func (a *Agent) startLeaving(sess *tunnelcore.Session) *leaving {
-	var grace time.Duration
-	graceText := "none (until told to stop)"
-	if dl, ok := a.leaveCtx.Deadline(); ok {
-		grace = max(time.Until(dl), time.Millisecond)
-		graceText = grace.Round(time.Millisecond).String()
-	}
-	a.log.Info("leaving the node: no new connections; waiting for the open ones to finish",
-		zap.Int("connections", a.conn.Active()), zap.String("grace", graceText))
-	_ = sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{
-		GraceMs: uint32(min(grace, time.Duration(math.MaxUint32)*time.Millisecond) / time.Millisecond),
-		Reason:  errLeft.Error(),
-	}}})
-	return &leaving{a: a}
-}
-
-// answered takes an AdvertiseAck that came while leaving. The node answers
-// Drain with one that lists no route (every Advertise lists at least one,
-// so an ack answering one sent before Drain cannot be mistaken for it).
-func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
-	if l.withdrawn || len(ack.GetAccepted())+len(ack.GetRejected()) > 0 {
-		return
-	}
-	l.withdrawn = true
-	l.a.log.Debug("node withdrew the routes", zap.Int("connections", l.a.conn.Active()))
-}
-
-// ended logs the end of the session. The node ends it without an error
-// status once no connection is left, having answered the Drain, and
-// without draining itself (a node shutting down ends sessions that way too).
-func (l *leaving) ended(err error, nodeDrained bool) {
-	code, msg := statusOf(err)
-	clean := code == codes.OK || code == codes.Unknown
-	switch {
-	case clean && l.withdrawn && !nodeDrained:
-		l.a.log.Info("left the node: every connection finished")
-	case clean: // the node ended it otherwise (it shut down, say)
-		l.a.log.Info("session ended while leaving", zap.String("reason", msg))
-	default:
-		l.a.log.Warn("session ended while leaving", zap.String("reason", msg), zap.String("code", code.String()))
-	}
-}
-
-// cut ends the session when the grace is over, or on a second signal.
-func (l *leaving) cut(sess *tunnelcore.Session) {
-	why := "shutdown grace over"
-	if !errors.Is(l.a.leaveCtx.Err(), context.DeadlineExceeded) {
-		why = "told to stop now"
-	}
-	l.a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", l.a.conn.Active()))
-	sess.CloseWithError(errLeft)
-}
-
-// latestAck holds the newest AdvertiseAck the session loop has not taken
-// yet. Every ack states the session's whole route set (its accepted and
-// rejected routes), so a newer one supersedes an older one: the session's
-// receive loop, which must never block, replaces instead of queueing, and
-// a burst of acks (a node re-admitting routes on each of many reloads)
-// cannot make the agent lose the last one and act on a stale state.
-type latestAck struct {
-	mu  sync.Mutex
-	ack *tunnelpb.AdvertiseAck
-	// ready has a value while an ack waits to be taken.
-	ready chan struct{}
-}
-
-func newLatestAck() *latestAck { return &latestAck{ready: make(chan struct{}, 1)} }
-
-// put replaces the waiting ack, if any, with ack.
-func (l *latestAck) put(ack *tunnelpb.AdvertiseAck) {
-	l.mu.Lock()
-	l.ack = ack
-	l.mu.Unlock()
-	select {
-	case l.ready <- struct{}{}:
-	default: // already signalled; the taker reads the newest
-	}
-}
-
-// take returns the waiting ack, or nil when there is none (its signal was
-// for an ack taken already).
-func (l *latestAck) take() *tunnelpb.AdvertiseAck {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	ack := l.ack
-	l.ack = nil
-	return ack
-}
-
-// routeState tracks which routes the node rejected, to log changes once.
-type routeState struct {
-	rejected map[string]string // name -> reason
-}
-
-func newRouteState() *routeState { return &routeState{rejected: map[string]string{}} }
-
-// update logs the rejections of ack that are new and the routes that are
-// accepted after a rejection; it returns the accepted route names.
-func (r *routeState) update(log *zap.Logger, ack *tunnelpb.AdvertiseAck) []string {
-	accepted := make([]string, 0, len(ack.GetAccepted()))
-	for _, k := range ack.GetAccepted() {
-		accepted = append(accepted, k.GetName())
-		if reason, was := r.rejected[k.GetName()]; was {
-			log.Info("route accepted after retry", zap.String("route", k.GetName()), zap.String("previous_reason", reason))
-			delete(r.rejected, k.GetName())
-		}
-	}
-	for _, rj := range ack.GetRejected() {
-		if prev, was := r.rejected[rj.GetName()]; was && prev == rj.GetReason() {
-			log.Debug("route still rejected", zap.String("route", rj.GetName()), zap.String("reason", rj.GetReason()))
-			continue
-		}
-		fields := []zap.Field{zap.String("route", rj.GetName()), zap.String("reason", rj.GetReason())}
-		if rj.GetListenPort() != 0 {
-			fields = append(fields, zap.Uint32("listen_port", rj.GetListenPort()))
-		}
-		log.Warn("route rejected by node", fields...)
-		r.rejected[rj.GetName()] = rj.GetReason()
-	}
-	return accepted
 }
 
 // streamProgress is the stall watchdog's reader of the bytes the stream's

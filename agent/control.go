@@ -1,0 +1,195 @@
+package agent
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+)
+
+// control takes the node's control messages, one handler per message (as
+// frp's client control registers one handler per message type). The
+// handlers run on the session's receive loop, which must never block: they
+// log, or record what came and signal the session's serve loop, which acts
+// on it (sessionAttempt.loop).
+type control struct {
+	log  *zap.Logger
+	acks *latestAck
+	// drains receives the grace of the node's Drain, once per session
+	// (drained guards it).
+	drains  chan time.Duration
+	drained atomic.Bool
+}
+
+func newControl(log *zap.Logger) *control {
+	return &control{log: log, acks: newLatestAck(), drains: make(chan time.Duration, 1)}
+}
+
+// dispatch hands f to the handler of its message; it is the session's
+// tunnelcore.Config.OnControl.
+func (c *control) dispatch(f *tunnelpb.Frame) {
+	switch k := f.Kind.(type) {
+	case *tunnelpb.Frame_AdvertiseAck:
+		c.onAdvertiseAck(k.AdvertiseAck)
+	case *tunnelpb.Frame_Drain:
+		c.onDrain(k.Drain)
+	case *tunnelpb.Frame_MembershipUpdate:
+		c.onMembershipUpdate(k.MembershipUpdate)
+	case *tunnelpb.Frame_Error:
+		c.onError(k.Error)
+	default:
+		c.log.Debug("unexpected control frame ignored", zap.String("frame", fmt.Sprintf("%T", f.Kind)))
+	}
+}
+
+// onAdvertiseAck keeps the newest ack for the serve loop: every ack states
+// the whole route set, so a newer one supersedes one not yet taken.
+func (c *control) onAdvertiseAck(ack *tunnelpb.AdvertiseAck) { c.acks.put(ack) }
+
+// onDrain passes the grace of the node's first Drain to the serve loop,
+// which ends the session itself if the node does not within it.
+func (c *control) onDrain(d *tunnelpb.Drain) {
+	if !c.drained.CompareAndSwap(false, true) {
+		return
+	}
+	grace := time.Duration(d.GetGraceMs()) * time.Millisecond
+	c.log.Info("node draining", zap.String("reason", d.GetReason()), zap.String("grace", grace.String()))
+	c.drains <- grace // buffered, and sent once: never blocks
+}
+
+// onMembershipUpdate logs the node's cluster membership; the agent keeps
+// one session to the node it dialed and uses none of it yet.
+func (c *control) onMembershipUpdate(m *tunnelpb.MembershipUpdate) {
+	nodes := make([]string, 0, len(m.GetNodes()))
+	for _, n := range m.GetNodes() {
+		nodes = append(nodes, n.GetId()+"="+n.GetUrl())
+	}
+	c.log.Debug("membership update (ignored)", zap.Strings("nodes", nodes))
+}
+
+// onError logs an error the node reports about the session; the node
+// ends the session itself when the error is fatal.
+func (c *control) onError(e *tunnelpb.Error) {
+	c.log.Warn("node reported an error", zap.String("code", e.GetCode().String()), zap.String("message", e.GetMessage()))
+}
+
+// nodeDrained reports whether the node sent Drain.
+func (c *control) nodeDrained() bool { return c.drained.Load() }
+
+// latestAck holds the newest AdvertiseAck the session loop has not taken
+// yet. Every ack states the session's whole route set (its accepted and
+// rejected routes), so a newer one supersedes an older one: the session's
+// receive loop, which must never block, replaces instead of queueing, and
+// a burst of acks (a node re-admitting routes on each of many reloads)
+// cannot make the agent lose the last one and act on a stale state.
+type latestAck struct {
+	mu  sync.Mutex
+	ack *tunnelpb.AdvertiseAck
+	// ready has a value while an ack waits to be taken.
+	ready chan struct{}
+}
+
+func newLatestAck() *latestAck { return &latestAck{ready: make(chan struct{}, 1)} }
+
+// put replaces the waiting ack, if any, with ack.
+func (l *latestAck) put(ack *tunnelpb.AdvertiseAck) {
+	l.mu.Lock()
+	l.ack = ack
+	l.mu.Unlock()
+	select {
+	case l.ready <- struct{}{}:
+	default: // already signalled; the taker reads the newest
+	}
+}
+
+// take returns the waiting ack, or nil when there is none (its signal was
+// for an ack taken already).
+func (l *latestAck) take() *tunnelpb.AdvertiseAck {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ack := l.ack
+	l.ack = nil
+	return ack
+}
+
+// routeState tracks which routes the node rejected, to log changes once.
+type routeState struct {
+	rejected map[string]string // name -> reason
+}
+
+func newRouteState() *routeState { return &routeState{rejected: map[string]string{}} }
+
+// update logs the rejections of ack that are new and the routes that are
+// accepted after a rejection; it returns the accepted route names.
+func (r *routeState) update(log *zap.Logger, ack *tunnelpb.AdvertiseAck) []string {
+	accepted := make([]string, 0, len(ack.GetAccepted()))
+	for _, k := range ack.GetAccepted() {
+		accepted = append(accepted, k.GetName())
+		if reason, was := r.rejected[k.GetName()]; was {
+			log.Info("route accepted after retry", zap.String("route", k.GetName()), zap.String("previous_reason", reason))
+			delete(r.rejected, k.GetName())
+		}
+	}
+	for _, rj := range ack.GetRejected() {
+		if prev, was := r.rejected[rj.GetName()]; was && prev == rj.GetReason() {
+			log.Debug("route still rejected", zap.String("route", rj.GetName()), zap.String("reason", rj.GetReason()))
+			continue
+		}
+		fields := []zap.Field{zap.String("route", rj.GetName()), zap.String("reason", rj.GetReason())}
+		if rj.GetListenPort() != 0 {
+			fields = append(fields, zap.Uint32("listen_port", rj.GetListenPort()))
+		}
+		log.Warn("route rejected by node", fields...)
+		r.rejected[rj.GetName()] = rj.GetReason()
+	}
+	return accepted
+}
+
+// readvertiser schedules the Advertise again after a backoff while the
+// node rejects routes (a listen port outside the node's range, held by an
+// agent with a smaller id, or in use); an ack that rejects none resets it.
+type readvertiser struct {
+	log   *zap.Logger
+	bo    *backoff
+	timer *time.Timer // nil while none is scheduled
+}
+
+func newReadvertiser(a *Agent) *readvertiser {
+	return &readvertiser{log: a.log, bo: newBackoff(a.backoffInitial, a.backoffMax, nil)}
+}
+
+// schedule replaces the scheduled re-Advertise: a new one after the next
+// backoff when routes were rejected, none (and the backoff reset) when not.
+func (r *readvertiser) schedule(rejected bool) {
+	r.stop()
+	if !rejected {
+		r.bo.Reset()
+		return
+	}
+	d := r.bo.Next()
+	r.log.Debug("re-advertising rejected routes later", zap.Duration("in", d))
+	r.timer = time.NewTimer(d)
+}
+
+// C fires when the re-Advertise is due; nil (never) while none is scheduled.
+func (r *readvertiser) C() <-chan time.Time {
+	if r.timer == nil {
+		return nil
+	}
+	return r.timer.C
+}
+
+// fired marks the scheduled re-Advertise as taken from C.
+func (r *readvertiser) fired() { r.timer = nil }
+
+// stop cancels the scheduled re-Advertise, if any.
+func (r *readvertiser) stop() {
+	if r.timer != nil {
+		r.timer.Stop()
+		r.timer = nil
+	}
+}

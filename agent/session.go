@@ -1,0 +1,359 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
+)
+
+// sessionResult is how one session attempt ended.
+type sessionResult struct {
+	connected bool          // the node acknowledged the Advertise
+	drained   bool          // the node sent Drain
+	err       error         // why it ended
+	uptime    time.Duration // how long it was connected
+}
+
+// sessionAttempt is one session, from the dial to its end, run in stages:
+// the handshake (dial, openStream, start on the transport the node's
+// header offers, Advertise, awaitAck), then serve, whose loop hands each
+// event to a handler of its own. The node's control messages are taken by
+// control's handlers on the receive loop.
+type sessionAttempt struct {
+	a *Agent
+	// runCtx is Run's context: its end ends the attempt.
+	runCtx context.Context
+	// ctx is the attempt's own, ended with it (cancel) or by Leave before
+	// the node acknowledged (stopLeaveWatch stops that): it carries the
+	// stream and bounds the upstream dials.
+	ctx            context.Context
+	cancel         context.CancelFunc
+	stopLeaveWatch func() bool
+	hostport       string
+	cc             *grpc.ClientConn
+	rs             *recordingStream
+	tr             sessionTransport
+	sess           *tunnelcore.Session
+	ctl            *control
+	adv            *tunnelpb.Frame
+	// undo holds what close undoes, in the order the stages set it up.
+	undo []func()
+
+	// Serving: the routes' state, the re-Advertise of rejected routes, the
+	// node's Drain deadline and, once Leave was called, the leave.
+	routes     *routeState
+	readv      *readvertiser
+	drainTimer *time.Timer
+	lv         *leaving // nil until Leave
+}
+
+// session runs one session attempt: the handshake, then serving until the
+// session ends or ctx is cancelled.
+func (a *Agent) session(ctx context.Context) sessionResult {
+	s := &sessionAttempt{a: a, runCtx: ctx}
+	defer s.close()
+	ack, failed := s.handshake()
+	if failed != nil {
+		return *failed
+	}
+	return s.serve(ack)
+}
+
+// later registers f for close, which runs it after everything registered
+// later (as defer would in one function).
+func (s *sessionAttempt) later(f func()) { s.undo = append(s.undo, f) }
+
+// close undoes what the stages set up, last first.
+func (s *sessionAttempt) close() {
+	for i := len(s.undo) - 1; i >= 0; i-- {
+		s.undo[i]()
+	}
+}
+
+// handshake connects and advertises, and returns the node's first
+// AdvertiseAck; failed says why when the attempt ended before it.
+func (s *sessionAttempt) handshake() (ack *tunnelpb.AdvertiseAck, failed *sessionResult) {
+	fail := func(err error) *sessionResult { return &sessionResult{err: err} }
+	if err := s.dial(); err != nil {
+		return nil, fail(err)
+	}
+	if err := s.openStream(); err != nil {
+		return nil, fail(err)
+	}
+	if err := s.start(); err != nil {
+		return nil, fail(err)
+	}
+	s.adv = s.a.advertise()
+	if err := s.sess.SendControl(s.adv); err != nil {
+		return nil, fail(s.endReason())
+	}
+	return s.awaitAck()
+}
+
+// dial makes the gRPC client connection to the node. It connects lazily:
+// a failure to connect shows on the stream.
+func (s *sessionAttempt) dial() error {
+	_, s.hostport = s.a.cfg.ServerAddr()
+	cc, err := grpc.NewClient("dns:///"+s.hostport, s.a.dialOptions()...)
+	if err != nil {
+		return err
+	}
+	s.cc = cc
+	s.later(func() { cc.Close() })
+	return nil
+}
+
+// openStream opens the Connect stream with the agent's token and id.
+// Leaving before the node acknowledged gives the attempt up at once, also
+// a dial still under way: the leave watch cancels the attempt's context.
+func (s *sessionAttempt) openStream() error {
+	ctx, cancel := context.WithCancel(s.runCtx)
+	s.cancel = cancel
+	s.later(cancel)
+	s.stopLeaveWatch = context.AfterFunc(s.a.leaveReq, cancel)
+	s.later(func() { s.stopLeaveWatch() })
+	s.ctx = metadata.AppendToOutgoingContext(ctx,
+		"authorization", "Bearer "+s.a.token(),
+		"x-sluice-id", s.a.cfg.ID)
+	st, err := tunnelpb.NewTunnelClient(s.cc).Connect(s.ctx)
+	if err != nil {
+		return err
+	}
+	s.rs = &recordingStream{BidiStreamingClient: st, recvDone: make(chan struct{})}
+	return nil
+}
+
+// start runs the tunnelcore session on the transport the node's response
+// header offers (a data lane, direct sockets), or on the stream.
+func (s *sessionAttempt) start() error {
+	s.tr = s.a.sessionFrames(s.ctx, s.rs, s.cancel, s.hostport)
+	s.ctl = newControl(s.a.log)
+	sess, err := tunnelcore.NewSession(s.tr.frames, tunnelcore.Config{
+		Role:       tunnelcore.RoleAgent,
+		OnControl:  s.ctl.dispatch,
+		Budget:     s.a.budget,
+		Progress:   s.tr.progress,
+		DirectDial: s.tr.directDial,
+		Logger:     s.a.log,
+	})
+	if err != nil {
+		s.tr.frames.Close(err)
+		s.cancel()
+		return fmt.Errorf("starting the session: %w", err)
+	}
+	s.sess = sess
+	if s.tr.onLane {
+		go watchGRPCBesideLane(sess, s.rs)
+	}
+	s.a.current.Store(sess)
+	s.later(func() { s.a.current.Store(nil) })
+	s.later(func() { sess.Close() })
+	return nil
+}
+
+// awaitAck waits, at most ackTimeout, for the node's first AdvertiseAck.
+func (s *sessionAttempt) awaitAck() (*tunnelpb.AdvertiseAck, *sessionResult) {
+	t := time.NewTimer(s.a.ackTimeout)
+	defer t.Stop()
+	select {
+	case <-s.ctl.acks.ready:
+		ack := s.ctl.acks.take()
+		if !s.stopLeaveWatch() { // Leave came first: the stream is cancelled
+			return nil, &sessionResult{err: errLeft}
+		}
+		return ack, nil
+	case <-s.sess.Done():
+		return nil, &sessionResult{err: s.endReason(), drained: s.ctl.nodeDrained()}
+	case <-s.runCtx.Done():
+		return nil, &sessionResult{err: s.runCtx.Err()}
+	case <-s.a.leaveReq.Done():
+		return nil, &sessionResult{err: errLeft}
+	case <-t.C:
+		err := fmt.Errorf("no AdvertiseAck within %v", s.a.ackTimeout)
+		s.sess.CloseWithError(err)
+		return nil, &sessionResult{err: err}
+	}
+}
+
+// endReason returns why the session ended, preferring the stream's status:
+// a client stream's Send reports only io.EOF when the node ended it, and
+// the status (Unauthenticated, say) comes from Recv, so it waits up to
+// recvErrWait for that.
+func (s *sessionAttempt) endReason() error {
+	serr := s.sess.Err()
+	if code, _ := statusOf(serr); code != codes.Unknown && code != codes.OK {
+		return serr
+	}
+	t := time.NewTimer(recvErrWait)
+	defer t.Stop()
+	select {
+	case <-s.rs.recvDone:
+		if code, _ := statusOf(s.rs.recvErr); code != codes.Unknown && code != codes.OK && code != codes.Canceled {
+			return s.rs.recvErr
+		}
+	case <-t.C:
+	}
+	if serr == nil {
+		return errors.New("session ended")
+	}
+	return serr
+}
+
+// serve serves the acknowledged session until it ends or Run's context
+// does.
+func (s *sessionAttempt) serve(ack *tunnelpb.AdvertiseAck) (res sessionResult) {
+	connectedAt := time.Now()
+	defer func() { res.uptime = time.Since(connectedAt) }()
+	s.announce(ack)
+	defer s.acceptConns()()
+	s.readv = newReadvertiser(s.a)
+	defer s.readv.stop()
+	s.readv.schedule(len(ack.GetRejected()) > 0)
+	defer s.stopDrainTimer()
+	return s.loop()
+}
+
+// announce logs the new session and marks the agent connected.
+func (s *sessionAttempt) announce(ack *tunnelpb.AdvertiseAck) {
+	s.routes = newRouteState()
+	s.a.log.Info("connected",
+		zap.String("server", s.a.cfg.Server),
+		zap.String("node_id", ack.GetNodeId()),
+		zap.Strings("routes", s.routes.update(s.a.log, ack)),
+		zap.Bool("data_lane", s.tr.onLane),
+		zap.Bool("direct_sockets", s.tr.directDial != nil),
+		zap.Bool("stall_progress", s.tr.progress != nil)) // see tunnelcore.Config.Progress
+	s.a.markConnected(ack.GetNodeId())
+}
+
+// acceptConns serves the connections the node opens, in a goroutine, until
+// the session ends; wait waits for that goroutine. The upstream dials are
+// bounded by the attempt's context, which ends with this session: a dial
+// still under way when the session ends would serve a connection that is
+// gone, and hold its max_connections slot while the next session's
+// connections are refused.
+func (s *sessionAttempt) acceptConns() (wait func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			conn, err := s.sess.Accept(s.runCtx)
+			if err != nil {
+				return
+			}
+			s.a.conn.serve(s.ctx, conn)
+		}
+	}()
+	return func() { <-done }
+}
+
+// loop hands each event of the serving session to its handler until the
+// session ends or Run's context does.
+func (s *sessionAttempt) loop() sessionResult {
+	leaveC := s.a.leaveReq.Done()
+	for {
+		select {
+		case <-s.runCtx.Done():
+			return s.stopped()
+		case <-s.sess.Done():
+			return s.ended()
+		case <-leaveC:
+			leaveC = nil // once
+			s.leave()
+		case <-s.ctl.acks.ready:
+			s.onAck()
+		case <-s.readv.C():
+			s.readvertise()
+		case grace := <-s.ctl.drains:
+			s.nodeDraining(grace)
+		case <-s.drainC():
+			s.sess.CloseWithError(errors.New("node drained"))
+		}
+	}
+}
+
+// stopped ends the session as Run's context ended. When leaving, that is
+// the end of the grace (Run ties them): the connections still open are cut.
+func (s *sessionAttempt) stopped() sessionResult {
+	if s.lv != nil {
+		s.lv.cut(s.sess)
+	}
+	return sessionResult{connected: true, err: s.runCtx.Err()}
+}
+
+// ended reports the end of the session, and how a leave went.
+func (s *sessionAttempt) ended() sessionResult {
+	err := s.endReason()
+	drained := s.ctl.nodeDrained()
+	if s.lv != nil {
+		// The node answers the Drain and may end the session at once: the
+		// answer was queued before the end, so take it before telling how
+		// the leave went.
+		if ack := s.ctl.acks.take(); ack != nil {
+			s.lv.answered(ack)
+		}
+		s.lv.ended(err, drained)
+	}
+	return sessionResult{connected: true, err: err, drained: drained}
+}
+
+// leave starts leaving: rejected routes are advertised no more.
+func (s *sessionAttempt) leave() {
+	s.readv.schedule(false)
+	s.lv = s.a.startLeaving(s.sess)
+}
+
+// onAck takes the newest AdvertiseAck: the answer to the Drain while
+// leaving, else the node's word on the routes.
+func (s *sessionAttempt) onAck() {
+	ack := s.ctl.acks.take()
+	switch {
+	case ack == nil: // taken already
+	case s.lv != nil:
+		s.lv.answered(ack)
+	default:
+		s.routes.update(s.a.log, ack)
+		s.readv.schedule(len(ack.GetRejected()) > 0)
+	}
+}
+
+// readvertise advertises again for the rejected routes, unless leaving.
+func (s *sessionAttempt) readvertise() {
+	s.readv.fired()
+	if s.lv != nil {
+		return
+	}
+	// An error: the session ended, which sess.Done reports.
+	_ = s.sess.SendControl(s.adv)
+}
+
+// nodeDraining starts the node's Drain deadline. The node ends the
+// session after the grace period; if it does not, the agent ends it at the
+// deadline, so it reconnects.
+func (s *sessionAttempt) nodeDraining(grace time.Duration) {
+	s.stopDrainTimer()
+	s.drainTimer = time.NewTimer(grace + s.a.drainMargin)
+}
+
+// drainC fires at the node's Drain deadline; nil (never) before a Drain.
+func (s *sessionAttempt) drainC() <-chan time.Time {
+	if s.drainTimer == nil {
+		return nil
+	}
+	return s.drainTimer.C
+}
+
+func (s *sessionAttempt) stopDrainTimer() {
+	if s.drainTimer != nil {
+		s.drainTimer.Stop()
+	}
+}
