@@ -19,19 +19,18 @@ const (
 	// DefaultMaxWindow is the largest a receive window grows by default.
 	// One connection moves at most a window per round trip of the tunnel,
 	// so this caps a single transfer: 4 MiB is ~200 MB/s at a 20 ms round
-	// trip, where the 1 MiB of the design notes gave ~50. On one host the
-	// "round trip" is mostly scheduling delay of a busy reader, and
-	// bench/http.sh's 1 GiB download measured 15-19% more throughput and
-	// 17% less agent CPU with 4 MiB than with 1 MiB (8 MiB: no better),
-	// because the writer ran out of credit less often. Growth past
+	// trip, where 1 MiB gives ~50. On one host the "round trip" is mostly
+	// scheduling delay of a busy reader: a larger window lets the writer
+	// run out of credit less often, which moves more bytes for less CPU
+	// (bench/http.sh compares sizes; past 4 MiB nothing more is won). Growth past
 	// InitialWindow is charged to the Budget, so the node-wide bound on
 	// buffered bytes does not move.
 	DefaultMaxWindow = 4 << 20
 	// DefaultMaxFrameSize is the largest DATA payload a session sends.
 	// Each DATA message costs a fixed amount of CPU on both ends (gRPC's
-	// send and receive path, the codec, dispatch): measured with
-	// BenchmarkStream, 256 KiB messages moved the same bytes with 18% less
-	// CPU than 64 KiB ones. A frame never exceeds the peer's credit, so
+	// send and receive path, the codec, dispatch), so larger messages move
+	// the same bytes for less CPU (BenchmarkStream, FRAME=...). A frame
+	// never exceeds the peer's credit, so
 	// small windows still get small frames.
 	DefaultMaxFrameSize = 256 << 10
 	// DefaultSendQueue is what one connection may queue in front of the
@@ -143,13 +142,31 @@ type Config struct {
 	// Default DefaultDirectAbove; at least 1.
 	DirectAbove int64
 
+	// OnConnEnd, when set, is called exactly once for each virtual
+	// connection of the session, opened by either end, once it is fully
+	// finished: both directions done or aborted, its frames gone from the
+	// sender and its slot released (a connection ends when it is closed,
+	// aborted by either end, or its session ends; one never closed stays
+	// open). The ConnEnd says who opened it, what it carried and how it
+	// ended. It runs off every lock of the session, on the goroutine that
+	// finished the connection (the caller of Close or Abort, the session's
+	// sender or receive loop, or the one ending the session): it must not
+	// block, and hands slow work (a log line, a metric) elsewhere. Nil:
+	// nothing is called, at no cost.
+	OnConnEnd func(ConnEnd)
+
 	// Logger receives one line per notable event (a connection failed by
 	// the peer's misbehaviour, the session's end). Default zap.NewNop().
 	Logger *zap.Logger
 }
 
-// Validate fills in defaults and reports the first invalid field.
+// Validate fills in defaults and reports the first invalid field. Every
+// field is checked here; Progress, OnControl, OnConnEnd, DirectDial and
+// Slots are valid whether set or nil.
 func (c *Config) Validate() error {
+	if c.Role != RoleNode && c.Role != RoleAgent {
+		return fmt.Errorf("tunnelcore: Role %d is neither RoleNode nor RoleAgent", c.Role)
+	}
 	if c.PeerWindow == 0 {
 		c.PeerWindow = InitialWindow
 	}

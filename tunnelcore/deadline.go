@@ -14,6 +14,7 @@ type deadline struct {
 	mu     sync.Mutex
 	timer  *time.Timer
 	cancel chan struct{}
+	at     time.Time // the deadline set (zero: none), for a socket that comes later
 }
 
 func makeDeadline() deadline { return deadline{cancel: make(chan struct{})} }
@@ -22,6 +23,7 @@ func makeDeadline() deadline { return deadline{cancel: make(chan struct{})} }
 func (d *deadline) set(t time.Time) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.at = t
 
 	if d.timer != nil && !d.timer.Stop() {
 		<-d.cancel // wait for the timer callback to finish and close cancel
@@ -46,6 +48,13 @@ func (d *deadline) set(t time.Time) {
 	if !closed {
 		close(d.cancel)
 	}
+}
+
+// when returns the deadline set last (zero: none).
+func (d *deadline) when() time.Time {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.at
 }
 
 // wait returns a channel that is closed when the deadline is exceeded.

@@ -4,8 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -26,9 +27,13 @@ import (
 // through the cache, and each hand-off between the stream's reader and a
 // connection's reader is a wake-up. On a socket of its own, a connection is
 // read straight into the reader's buffer, with TCP's flow control. The
-// stream keeps
-// what it is good at: opening connections at no round trip, small
-// exchanges, flow control for many connections on one socket.
+// stream keeps what it is good at: opening connections at no round trip,
+// small exchanges, flow control for many connections on one socket.
+//
+// In the code, everything about a direct socket is in directSocket, which
+// a Conn holds (Conn.direct) only once its socket is being opened or was
+// attached: until then Read and Write look no further than that nil
+// pointer.
 //
 // What stays on the stream for a moved connection: its Error frames (an
 // abort, or a Close telling the peer to stop sending), and the session's
@@ -51,11 +56,176 @@ const directLinger = 2 * time.Second
 
 // The states of a connection's direct socket.
 const (
-	directNone    int32 = iota // not tried
-	directDialing              // DirectDial runs
-	directOn                   // attached
-	directFailed               // tried and failed: the connection stays on the stream
+	directDialing int32 = iota + 1 // DirectDial runs
+	directOn                       // attached
+	directFailed                   // tried and failed: the connection stays on the stream
 )
+
+// sockWrite is what this end's writes do with the direct socket.
+type sockWrite uint8
+
+const (
+	sockWriteNone  sockWrite = iota // they go on the stream
+	sockWriteMoved                  // they go to the socket (the move's marker Close is queued)
+	sockWriteShut                   // CloseWrite half-closed the socket
+)
+
+// sockRead is where the peer's writes are read from.
+type sockRead uint8
+
+const (
+	sockReadNone  sockRead = iota // the stream
+	sockReadMoved                 // the socket, after the bytes buffered from the stream
+	sockReadOn                    // the socket: the stream's bytes are read, the window's charge went back
+	sockReadEOF                   // the reader read the socket's EOF
+)
+
+// directSocket is a connection's direct socket and where each direction
+// stands on it. A Conn holds one (Conn.direct) from when its socket is
+// being opened or was attached; until then the read and write paths look
+// no further than that nil pointer. Its methods take a nil receiver as a
+// connection without one.
+type directSocket struct {
+	state atomic.Int32 // directDialing, directOn or directFailed
+
+	// closed is set once the connection is closed or aborted: a read of
+	// the socket drops what it got after. readers counts the readers in a
+	// read of the socket (enterRead); readersGone is closed once none is
+	// left after the close, which the linger waits for.
+	closed      atomic.Bool
+	readers     atomic.Int32
+	readersGone chan struct{}
+	readersOnce sync.Once
+
+	// mu guards the fields below (lock order: see the package doc).
+	mu    sync.Mutex
+	sock  net.Conn // nil while being opened
+	write sockWrite
+	read  sockRead
+}
+
+func newDirectSocket(state int32) *directSocket {
+	d := &directSocket{readersGone: make(chan struct{})}
+	d.state.Store(state)
+	return d
+}
+
+// socket returns the attached socket, nil if none.
+func (d *directSocket) socket() net.Conn {
+	if d == nil {
+		return nil
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.sock
+}
+
+// readMoved reports whether the peer moved its direction to the socket.
+func (d *directSocket) readMoved() bool {
+	if d == nil {
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.read >= sockReadMoved
+}
+
+// readEOF reports whether the reader read the socket's EOF.
+func (d *directSocket) readEOF() bool {
+	if d == nil {
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.read == sockReadEOF
+}
+
+// writeMoved reports whether this end's writes moved to the socket.
+func (d *directSocket) writeMoved() bool {
+	if d == nil {
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.write >= sockWriteMoved
+}
+
+// writeShut reports whether CloseWrite half-closed the socket.
+func (d *directSocket) writeShut() bool {
+	if d == nil {
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.write == sockWriteShut
+}
+
+// takesWrites reports whether a socket is attached that this end's
+// writes go to, or are to move to at the next write.
+func (d *directSocket) takesWrites() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.sock != nil && d.write != sockWriteShut
+}
+
+// shutWrite marks this end's direction on the socket shut, once. It
+// returns the socket to half-close and true when it did so now; the
+// socket and false when it was shut already; nil and false when the
+// writes never moved.
+func (d *directSocket) shutWrite() (net.Conn, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch d.write {
+	case sockWriteMoved:
+		d.write = sockWriteShut
+		return d.sock, true
+	case sockWriteShut:
+		return d.sock, false
+	}
+	return nil, false
+}
+
+// closeLocked, under the connection's mu as it closes or aborts, marks the
+// socket's reads closed and returns the socket, if attached, with its
+// blocked reader woken (under the connection's mu, so that no
+// SetReadDeadline undoes it).
+func (d *directSocket) closeLocked() net.Conn {
+	if d == nil {
+		return nil
+	}
+	d.closed.Store(true)
+	sock := d.socket()
+	if sock != nil {
+		sock.SetReadDeadline(time.Now())
+	}
+	return sock
+}
+
+// enterRead counts a reader of the socket; false: the connection is
+// closed, and no read may start (the linger reads alone).
+func (d *directSocket) enterRead() bool {
+	d.readers.Add(1)
+	if d.closed.Load() {
+		d.leaveRead()
+		return false
+	}
+	return true
+}
+
+func (d *directSocket) leaveRead() {
+	if d.readers.Add(-1) == 0 && d.closed.Load() {
+		d.readersOnce.Do(func() { close(d.readersGone) })
+	}
+}
+
+// socketReadersGone returns a channel closed once no reader of the
+// socket is left (asked after closed is set).
+func (d *directSocket) socketReadersGone() <-chan struct{} {
+	if d.readers.Load() == 0 {
+		d.readersOnce.Do(func() { close(d.readersGone) })
+	}
+	return d.readersGone
+}
 
 // ErrNotDirect is AttachDirect's error for a connection that cannot take a
 // direct socket: unknown, ending, or already given one.
@@ -96,7 +266,10 @@ func (s *Session) AttachDirect(id uint64, sock net.Conn) error {
 }
 
 // Direct reports whether c has a socket of its own.
-func (c *Conn) Direct() bool { return c.directState.Load() == directOn }
+func (c *Conn) Direct() bool {
+	d := c.direct.Load()
+	return d != nil && d.state.Load() == directOn
+}
 
 // countMoved counts n bytes that crossed c and tries a direct socket once
 // the connection carried DirectAbove.
@@ -107,7 +280,7 @@ func (c *Conn) countMoved(written bool, n int64) {
 	} else {
 		total = c.bytesRead.Add(n) + c.bytesWritten.Load()
 	}
-	if c.s.cfg.DirectDial == nil || total < c.s.cfg.DirectAbove || c.directState.Load() != directNone {
+	if c.s.cfg.DirectDial == nil || total < c.s.cfg.DirectAbove || c.direct.Load() != nil {
 		return
 	}
 	// Not now (too many opening, or a failure not long ago): a later
@@ -115,8 +288,8 @@ func (c *Conn) countMoved(written bool, n int64) {
 	if !c.s.takeDirectDial() {
 		return
 	}
-	if c.directState.CompareAndSwap(directNone, directDialing) {
-		go c.goDirect()
+	if d := newDirectSocket(directDialing); c.direct.CompareAndSwap(nil, d) {
+		go c.goDirect(d)
 	} else {
 		c.s.doneDirectDial(nil)
 	}
@@ -152,7 +325,7 @@ func (s *Session) doneDirectDial(err error) {
 }
 
 // goDirect opens c's direct socket and attaches it.
-func (c *Conn) goDirect() {
+func (c *Conn) goDirect(d *directSocket) {
 	ctx, cancel := context.WithTimeout(context.Background(), directDialTimeout)
 	defer cancel()
 	go func() {
@@ -170,19 +343,19 @@ func (c *Conn) goDirect() {
 	}
 	c.s.doneDirectDial(err)
 	if err != nil {
-		c.directFailed(err)
+		c.directFailed(d, err)
 	}
 }
 
 // directFailed records that c stays on the stream. A peer that moved its
 // direction meanwhile took a socket this end never got: the connection
 // fails.
-func (c *Conn) directFailed(err error) {
+func (c *Conn) directFailed(d *directSocket, err error) {
 	c.mu.Lock()
-	c.directState.Store(directFailed)
+	d.state.CompareAndSwap(directDialing, directFailed)
 	// The peer moved meanwhile, or may yet: its bytes would go to a
 	// socket this end does not have.
-	stranded := (c.rmoved || errors.Is(err, ErrPrefaceUnanswered)) && c.rerr == nil
+	stranded := (d.readMoved() || errors.Is(err, ErrPrefaceUnanswered)) && c.rstate != recvFailed
 	c.mu.Unlock()
 	if stranded {
 		c.fail(fmt.Errorf("direct socket: %w", err), tunnelpb.Error_INTERNAL, "direct socket not answered in time")
@@ -195,26 +368,63 @@ func (c *Conn) directFailed(err error) {
 func (c *Conn) attach(sock net.Conn, answer bool) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.sock != nil || c.closed || c.broken || c.rerr != nil || (c.readEOF && c.wclosed) {
+	if c.life != lifeOpen || c.rstate == recvFailed || (c.rstate == recvEOF && c.wstate != sendOpen) || c.direct.Load().socket() != nil {
 		return ErrNotDirect
 	}
 	if answer {
 		// Under mu: the answer must reach the socket before any byte this
-		// end moves there (a writer moves once sock is set). One byte to
-		// a fresh socket does not block.
+		// end moves there (a writer moves once the socket is attached).
+		// One byte to a fresh socket does not block.
 		sock.SetWriteDeadline(time.Now().Add(directDialTimeout))
 		if _, err := sock.Write([]byte{tunnelpb.LaneAccepted}); err != nil {
 			return fmt.Errorf("answering a direct socket: %w", err)
 		}
 	}
-	sock.SetReadDeadline(c.rdlAt)
-	sock.SetWriteDeadline(c.wdlAt)
-	c.sock = sock
-	c.directState.Store(directOn)
+	sock.SetReadDeadline(c.rdl.when())
+	sock.SetWriteDeadline(c.wdl.when())
+	d := c.direct.Load()
+	if d == nil {
+		d = newDirectSocket(directOn)
+		if !c.direct.CompareAndSwap(nil, d) {
+			d = c.direct.Load() // a dial began meanwhile
+		}
+	}
+	d.mu.Lock()
+	d.sock = sock
+	d.mu.Unlock()
+	d.state.Store(directOn)
 	c.s.direct.Add(1)
 	notify(c.readNotify)
 	notify(c.writeNotify) // a writer waiting for credit moves instead
 	return nil
+}
+
+// onPeerMoved is called when the peer moved its direction to the direct
+// socket.
+func (c *Conn) onPeerMoved() {
+	c.mu.Lock()
+	d := c.direct.Load()
+	if c.rstate != recvOpen || d.readMoved() {
+		c.mu.Unlock()
+		return
+	}
+	if d.socket() == nil && (d == nil || d.state.Load() != directDialing) {
+		c.mu.Unlock()
+		if ok, suppressed := c.s.peerLog.Allow(); ok {
+			c.s.cfg.Logger.Warn("tunnel peer moved a connection to a direct socket it does not have; connection failed",
+				zapConn(c.id), zap.Int("suppressed", suppressed))
+		}
+		c.fail(&PeerError{Code: tunnelpb.Error_PROTOCOL, Message: "moved without a direct socket"}, tunnelpb.Error_PROTOCOL, "moved without a direct socket")
+		return
+	}
+	// No more of this direction comes on the stream. Its window's charge
+	// stays while the bytes it admitted are buffered (readSocket gives it
+	// back).
+	d.mu.Lock()
+	d.read = sockReadMoved
+	d.mu.Unlock()
+	c.mu.Unlock()
+	notify(c.readNotify)
 }
 
 // lockWrites serialises Write and ReadFrom, as a TCP socket's writes are:
@@ -247,411 +457,3 @@ func (c *Conn) lockWrites() error {
 }
 
 func (c *Conn) unlockWrites() { <-c.wlock }
-
-// writeSocket returns c's direct socket if its writes go there, moving
-// them first if the socket came since the last write; nil: they go on the
-// stream.
-func (c *Conn) writeSocket() (net.Conn, error) {
-	c.mu.Lock()
-	if c.sock == nil || (c.wclosed && !c.wmoved) {
-		c.mu.Unlock()
-		return nil, nil
-	}
-	if c.werr != nil {
-		err := c.werr
-		c.mu.Unlock()
-		return nil, err
-	}
-	if c.wshut {
-		c.mu.Unlock()
-		return nil, ErrWriteClosed
-	}
-	sock := c.sock
-	if c.wmoved {
-		c.mu.Unlock()
-		return sock, nil
-	}
-	c.mu.Unlock()
-	// The marker first, then the state. A Close or CloseWrite meanwhile
-	// still finds the direction open on the stream and sends its FIN there
-	// (before the marker or behind it: the peer reads EOF either way);
-	// marked moved first, it would send nothing, and with the connection
-	// finished the marker could be dropped: the peer would wait forever.
-	queued := c.s.sender.enqueue(c, &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_Close{
-		Close: &tunnelpb.Close{ConnId: c.id, Moved: true},
-	}}}, true)
-	c.mu.Lock()
-	closedMeanwhile, err := c.wclosed, c.werr
-	// The stream's side of the direction is done: reserve and CloseWrite
-	// take it as closed, Close sends no FIN for it.
-	c.wmoved, c.wclosed = true, true
-	c.wshut = c.wshut || closedMeanwhile
-	c.mu.Unlock()
-	switch {
-	case err != nil:
-		return nil, err
-	case closedMeanwhile:
-		// Its FIN went on the stream, maybe behind the marker: the
-		// socket ends too.
-		closeSocketWrite(sock)
-		return nil, ErrWriteClosed
-	case !queued:
-		return nil, ErrConnClosed
-	}
-	return sock, nil
-}
-
-// writeDirect writes p to the direct socket.
-func (c *Conn) writeDirect(sock net.Conn, p []byte) (int, error) {
-	n, err := sock.Write(p)
-	c.countMoved(true, int64(n))
-	return n, c.socketErr(err, false)
-}
-
-// readFromDirect copies r to the direct socket until r's end.
-func (c *Conn) readFromDirect(sock net.Conn, r io.Reader) (int64, error) {
-	var inq func() int
-	if rc, ok := r.(net.Conn); ok {
-		inq = readQueue(rc)
-	}
-	n, rerr, werr := copyCounted(sock, r, inq, func(n int64) { c.countMoved(true, n) })
-	if werr != nil {
-		return n, c.socketErr(werr, false)
-	}
-	return n, rerr
-}
-
-// The buffers of a copy to or from a direct socket: it waits for bytes
-// with a small one, which is all an idle connection holds, and takes a
-// large one from the pool for a read only when that many bytes wait
-// (bulk: one read and one write per 256 KiB, as a bare relay does).
-// Where the socket cannot tell (not Linux), every read takes the medium.
-const (
-	copyBufferSmall  = 16 << 10
-	copyBufferMedium = 64 << 10
-	copyBufferLarge  = 256 << 10
-)
-
-// copyCounted copies src to dst until src's end, calling count with each
-// write's bytes, so that Counts shows a slow but steady stream moving (an
-// idle watcher polls it). It returns src's error and dst's apart. It does
-// not splice: on one host, a reader of spliced bytes got them as a chain
-// of page fragments, and reading those cost Caddy more than the copy
-// spared the agent (bench/README.md, "Direct sockets"); and a splice
-// returns only once its whole count moved, which a trickle takes long to.
-func copyCounted(dst io.Writer, src io.Reader, inq func() int, count func(int64)) (total int64, rerr, werr error) {
-	for {
-		buf := bufferPool.Get(copyBufferFor(inq))
-		n, err := src.Read(*buf)
-		if n > 0 {
-			m, err := dst.Write((*buf)[:n])
-			total += int64(m)
-			count(int64(m))
-			if err == nil && m < n {
-				err = io.ErrShortWrite
-			}
-			if err != nil {
-				bufferPool.Put(buf)
-				return total, nil, err
-			}
-		}
-		bufferPool.Put(buf)
-		switch {
-		case err == io.EOF:
-			return total, nil, nil
-		case err != nil:
-			return total, err, nil
-		}
-	}
-}
-
-// copyBufferFor is the buffer size for the next read, given what waits
-// in the source's socket (inq; nil: not known).
-func copyBufferFor(inq func() int) int {
-	switch {
-	case inq == nil:
-		return copyBufferMedium
-	case inq() > copyBufferSmall:
-		return copyBufferLarge
-	}
-	return copyBufferSmall
-}
-
-// readSocket returns the socket c's reader reads once the stream's bytes
-// are read, waiting for it while it is being opened. It returns c's read
-// error instead when the connection ended.
-func (c *Conn) readSocket() (net.Conn, error) {
-	for {
-		c.mu.Lock()
-		sock, err := c.sock, c.rerr
-		if !c.windowGone && err == nil {
-			// The stream's bytes are read and no more come there: the
-			// window's budget goes back (kept until now, as it bounded
-			// what was still buffered).
-			c.windowGone = true
-			c.rwin.release(c.s.cfg.Budget)
-		}
-		c.mu.Unlock()
-		if err != nil {
-			return nil, err
-		}
-		if sock != nil {
-			return sock, nil
-		}
-		if err := c.waitRead(); err != nil {
-			return nil, err
-		}
-	}
-}
-
-// readDirect reads from the direct socket into p.
-func (c *Conn) readDirect(p []byte) (int, error) {
-	sock, err := c.readSocket()
-	if err != nil {
-		return 0, err
-	}
-	if !c.enterSocketRead() {
-		return 0, ErrConnClosed
-	}
-	n, err := sock.Read(p)
-	c.leaveSocketRead()
-	if c.closedFlag.Load() {
-		// Closed meanwhile: the bytes came after the Close.
-		return 0, ErrConnClosed
-	}
-	c.countMoved(false, int64(n))
-	if err == io.EOF {
-		return n, c.socketEOF()
-	}
-	return n, c.socketErr(err, true)
-}
-
-// socketEOF records that the peer's direction ended on the socket and
-// returns io.EOF: a FIN is the end of a whole stream, also when the peer
-// aborted after it (as on the stream, where an abort after the FIN leaves
-// the buffered bytes and EOF to the reader). An abort resets the socket
-// instead of ending it.
-func (c *Conn) socketEOF() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.sockEOF = true
-	return io.EOF
-}
-
-// socketReader reads c's direct socket as one counted reader per Read
-// (enterSocketRead): a copy blocked writing elsewhere does not hold the
-// close's linger back.
-type socketReader struct {
-	c    *Conn
-	sock net.Conn
-}
-
-func (r *socketReader) Read(p []byte) (int, error) {
-	if !r.c.enterSocketRead() {
-		return 0, ErrConnClosed
-	}
-	defer r.c.leaveSocketRead()
-	return r.sock.Read(p)
-}
-
-// enterSocketRead counts a reader of the direct socket; false: the
-// connection is closed, and no read may start (the linger reads alone).
-func (c *Conn) enterSocketRead() bool {
-	c.sockReaders.Add(1)
-	if c.closedFlag.Load() {
-		c.leaveSocketRead()
-		return false
-	}
-	return true
-}
-
-func (c *Conn) leaveSocketRead() {
-	if c.sockReaders.Add(-1) == 0 && c.closedFlag.Load() {
-		c.readersOnce.Do(func() { close(c.readersGone) })
-	}
-}
-
-// socketReadersGone returns a channel closed once no reader of the
-// direct socket is left (asked after closedFlag is set).
-func (c *Conn) socketReadersGone() <-chan struct{} {
-	if c.sockReaders.Load() == 0 {
-		c.readersOnce.Do(func() { close(c.readersGone) })
-	}
-	return c.readersGone
-}
-
-// writeDirectTo copies the direct socket to w until its end.
-func (c *Conn) writeDirectTo(w io.Writer) (int64, error) {
-	sock, err := c.readSocket()
-	if err != nil {
-		return 0, err
-	}
-	n, rerr, werr := copyCounted(w, &socketReader{c: c, sock: sock}, readQueue(sock), func(n int64) { c.countMoved(false, n) })
-	if rerr != nil {
-		return n, c.socketErr(rerr, true)
-	}
-	if werr == nil {
-		if err := c.socketEOF(); err != io.EOF {
-			return n, err
-		}
-	}
-	return n, werr
-}
-
-// socketErr is the error to report for err from the direct socket: the
-// connection's own when it ended (closing or aborting it closes the
-// socket under a blocked call), the peer's abort, a timeout as the
-// stream's deadlines report it.
-func (c *Conn) socketErr(err error, reading bool) error {
-	if err == nil || err == io.EOF {
-		return err
-	}
-	var ne net.Error
-	if errors.As(err, &ne) && ne.Timeout() {
-		if own := c.endErr(reading); own != nil {
-			return own // Close kicked a blocked reader with a past deadline
-		}
-		return timeoutError{}
-	}
-	if c.endErr(reading) == nil && c.peerErrOrNil() == nil {
-		// The socket failed under the call: the peer's abort resets it,
-		// and its Error, or the session's end, comes on the stream, which
-		// can be a little behind. Said by the stream, the error is the
-		// peer's; else the socket's own.
-		t := time.NewTimer(peerWordWait)
-		select {
-		case <-c.ended:
-		case <-c.s.done:
-			c.onSessionEnd(c.s.Err())
-		case <-t.C:
-		}
-		t.Stop()
-	}
-	if own := c.endErr(reading); own != nil {
-		return own
-	}
-	if peer := c.peerErrOrNil(); peer != nil {
-		return peer
-	}
-	return fmt.Errorf("direct socket: %w", err)
-}
-
-// peerWordWait bounds how long a failed socket call waits for the stream
-// to say why (socketErr).
-const peerWordWait = time.Second
-
-// endErr is the connection's own error for a read or a write: it was
-// closed, aborted, or its session ended.
-func (c *Conn) endErr(reading bool) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if reading {
-		if c.rerr != nil && c.rerr != c.peerErr {
-			return c.rerr
-		}
-		return nil
-	}
-	if c.werr != nil && c.werr != c.peerErr {
-		return c.werr
-	}
-	if c.wshut {
-		return ErrWriteClosed // CloseWrite shut the socket under a blocked write
-	}
-	return nil
-}
-
-func (c *Conn) peerErrOrNil() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.peerErr
-}
-
-// markEnded wakes what waits for c's end (a writer waiting for the write
-// lock, a failed socket call waiting for the peer's word).
-func (c *Conn) markEnded() {
-	c.endOnce.Do(func() { close(c.ended) })
-}
-
-// onPeerMoved is called when the peer moved its direction to the direct
-// socket.
-func (c *Conn) onPeerMoved() {
-	c.mu.Lock()
-	if c.rerr != nil || c.readEOF || c.rmoved {
-		c.mu.Unlock()
-		return
-	}
-	if c.sock == nil && c.directState.Load() != directDialing {
-		c.mu.Unlock()
-		if ok, suppressed := c.s.peerLog.Allow(); ok {
-			c.s.cfg.Logger.Warn("tunnel peer moved a connection to a direct socket it does not have; connection failed",
-				zapConn(c.id), zap.Int("suppressed", suppressed))
-		}
-		c.fail(&PeerError{Code: tunnelpb.Error_PROTOCOL, Message: "moved without a direct socket"}, tunnelpb.Error_PROTOCOL, "moved without a direct socket")
-		return
-	}
-	c.rmoved = true
-	// No more of this direction comes on the stream. Its window's charge
-	// stays while the bytes it admitted are buffered (readSocket gives it
-	// back).
-	c.mu.Unlock()
-	notify(c.readNotify)
-}
-
-// closeSocket ends c's direct socket: at once with a reset (abort: the
-// peer's reads fail), at once with a FIN when the peer's direction ended
-// too (peerDone), or else with a FIN now and the close directLinger later:
-// closing with bytes unread resets the connection, which can discard what
-// the peer has not read yet of what this end sent, and the peer stops
-// sending once it has the Close's CANCELED.
-func closeSocket(sock net.Conn, abort, peerDone bool, readersGone <-chan struct{}) {
-	if sock == nil {
-		return
-	}
-	if abort {
-		resetSocket(sock)
-		return
-	}
-	tc := tcpConnOf(sock)
-	if tc == nil {
-		sock.Close()
-		return
-	}
-	tc.CloseWrite()
-	if peerDone {
-		tc.Close()
-		sock.Close()
-		return
-	}
-	go linger(sock, readersGone)
-}
-
-// linger reads and drops what still comes on a closed connection's
-// socket, once its own readers have returned (readersGone), until the
-// peer's FIN or directLinger, then closes it: closed with bytes unread,
-// the socket would be reset, and a reset discards what this end's send
-// queue still holds of what it wrote.
-func linger(sock net.Conn, readersGone <-chan struct{}) {
-	deadline := time.Now().Add(directLinger)
-	t := time.NewTimer(directLinger)
-	select {
-	case <-readersGone:
-	case <-t.C:
-	}
-	t.Stop()
-	sock.SetReadDeadline(deadline)
-	io.Copy(io.Discard, sock)
-	if tc := tcpConnOf(sock); tc != nil {
-		tc.Close()
-	}
-	sock.Close()
-}
-
-// closeSocketWrite half-closes a direct socket: a FIN on its TCP socket.
-// Under TLS too: a TLS reader takes a FIN at a record's end as EOF, and
-// the TLS conn under gRPC's credentials offers no CloseWrite of its own.
-func closeSocketWrite(sock net.Conn) error {
-	if tc := tcpConnOf(sock); tc != nil {
-		return tc.CloseWrite()
-	}
-	return nil
-}

@@ -58,12 +58,8 @@ func movedPairWith(t *testing.T, opts directOpts) (nc, ac *Conn) {
 	if _, err := io.ReadFull(ac, make([]byte, 1)); err != nil {
 		t.Fatal(err)
 	}
-	nc.mu.Lock()
-	ok := nc.rmoved && nc.wmoved
-	nc.mu.Unlock()
-	ac.mu.Lock()
-	ok = ok && ac.rmoved && ac.wmoved
-	ac.mu.Unlock()
+	ok := nc.direct.Load().readMoved() && nc.direct.Load().writeMoved()
+	ok = ok && ac.direct.Load().readMoved() && ac.direct.Load().writeMoved()
 	if !ok {
 		t.Fatal("not both directions moved")
 	}
@@ -170,7 +166,7 @@ func attachBoth(t *testing.T, node *Session, nc, ac *Conn) {
 	if _, err := io.ReadFull(b, answer[:]); err != nil {
 		t.Fatal(err)
 	}
-	ac.directState.Store(directDialing)
+	ac.direct.Store(newDirectSocket(directDialing)) // as a dial under way
 	if err := ac.attach(b, false); err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +184,7 @@ func TestDirectCloseRacingTheMove(t *testing.T) {
 		eventually(t, 5*time.Second, "the node read the agent's FIN", func() bool {
 			nc.mu.Lock()
 			defer nc.mu.Unlock()
-			return nc.readEOF
+			return nc.rstate == recvEOF
 		})
 		started := make(chan struct{})
 		go func() { close(started); nc.Write([]byte("data")) }()
@@ -199,13 +195,14 @@ func TestDirectCloseRacingTheMove(t *testing.T) {
 		ac.SetReadDeadline(time.Now().Add(3 * time.Second))
 		_, err := io.ReadAll(ac)
 		if err != nil {
+			rm := ac.direct.Load().readMoved()
 			ac.mu.Lock()
-			rm, eof, rerr := ac.rmoved, ac.readEOF, ac.rerr
+			eof, rerr := ac.rstate == recvEOF, ac.rerr
 			ac.mu.Unlock()
 			node.sender.mu.Lock()
 			removed := nc.removed
 			node.sender.mu.Unlock()
-			t.Fatalf("round %d: the peer's read after a Write racing Close: %v (peer rmoved %v readEOF %v rerr %v; node conn removed %v wmoved %v)", i, err, rm, eof, rerr, removed, nc.wmoved)
+			t.Fatalf("round %d: the peer's read after a Write racing Close: %v (peer rmoved %v readEOF %v rerr %v; node conn removed %v wmoved %v)", i, err, rm, eof, rerr, removed, nc.direct.Load().writeMoved())
 		}
 		ac.Close()
 	}
@@ -299,9 +296,7 @@ func TestDirectMoveKeepsTheChargeOfBufferedBytes(t *testing.T) {
 	held, charged := nc.Buffered(), budget.InUse()
 	attachBoth(t, node, nc, ac) // the writer, blocked on credit, moves
 	eventually(t, 5*time.Second, "the agent moved", func() bool {
-		nc.mu.Lock()
-		defer nc.mu.Unlock()
-		return nc.rmoved
+		return nc.direct.Load().readMoved()
 	})
 	close(stop)
 	t.Logf("before the move: %d buffered, budget %d; after: %d buffered, budget %d", held, charged, nc.Buffered(), budget.InUse())
@@ -312,9 +307,7 @@ func TestDirectMoveKeepsTheChargeOfBufferedBytes(t *testing.T) {
 
 // sockOf returns c's direct socket.
 func sockOf(c *Conn) net.Conn {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.sock
+	return c.direct.Load().socket()
 }
 
 // TestDirectFINThenAbortReadsEOF: the peer sends a whole stream, half-closes
@@ -339,7 +332,7 @@ func TestDirectFINThenAbortReadsEOF(t *testing.T) {
 		if direct {
 			eventually(t, 5*time.Second, "bytes and FIN acknowledged by the node's socket", func() bool { return sendQueue(sockOf(ac))() == 0 })
 		} else {
-			eventually(t, 5*time.Second, "FIN read", func() bool { nc.mu.Lock(); defer nc.mu.Unlock(); return nc.readEOF })
+			eventually(t, 5*time.Second, "FIN read", func() bool { nc.mu.Lock(); defer nc.mu.Unlock(); return nc.rstate == recvEOF })
 		}
 		ac.Abort(tunnelpb.Error_RESET, "upstream reset after its full answer")
 		eventually(t, 5*time.Second, "the abort arrived", func() bool { return nc.peerErrOrNil() != nil })
@@ -393,10 +386,10 @@ func TestDirectConnEndingDuringDialKeepsTheSessionTrying(t *testing.T) {
 	go func() { ac.Write(make([]byte, 128<<10)); ac.Close() }()
 	io.ReadAll(nc)
 	nc.Close()
-	eventually(t, 5*time.Second, "the dial under way", func() bool { return ac.directState.Load() == directDialing })
+	eventually(t, 5*time.Second, "the dial under way", func() bool { return dialState(ac) == directDialing })
 	eventually(t, 5*time.Second, "the node forgot the connection", func() bool { return node.NumConns() == 0 })
 	close(gate)
-	eventually(t, 5*time.Second, "the dial ended", func() bool { return ac.directState.Load() == directFailed })
+	eventually(t, 5*time.Second, "the dial ended", func() bool { return dialState(ac) == directFailed })
 	if at := agent.directRetryAt.Load(); at > time.Now().UnixNano() {
 		t.Fatalf("a connection that ended during its dial held the session's direct sockets off for %v", time.Until(time.Unix(0, at)).Round(time.Second))
 	}
@@ -517,4 +510,12 @@ func TestDirectCloseWriteOnAResetSocket(t *testing.T) {
 	if err := nc.CloseWrite(); errors.Is(err, ErrWriteClosed) {
 		t.Fatalf("CloseWrite on a reset socket = %v; want the failure", err)
 	}
+}
+
+// dialState is the state of c's direct socket (0: none tried).
+func dialState(c *Conn) int32 {
+	if d := c.direct.Load(); d != nil {
+		return d.state.Load()
+	}
+	return 0
 }

@@ -31,6 +31,8 @@ type directOpts struct {
 	wrap       *socketWrap          // nil: plaintext
 	tune       []func(*net.TCPConn) // applied to the node's end
 	beforeDial <-chan struct{}      // nil, or the agent's dials wait for it
+	nodeEnd    func(ConnEnd)        // the node's Config.OnConnEnd
+	agentEnd   func(ConnEnd)        // the agent's Config.OnConnEnd
 }
 
 // socketWrap wraps both ends of a direct socket (TLS), the server's first.
@@ -66,8 +68,8 @@ func directPairWith(t *testing.T, tr transport, above int64, opts directOpts) (n
 			<-opts.beforeDial
 		}
 		return dialDirectSocket(ctx, lis.Addr().String(), opts.wrap, id)
-	}}
-	node, agent = sessionPair(t, tr, Config{}, agentCfg)
+	}, OnConnEnd: opts.agentEnd}
+	node, agent = sessionPair(t, tr, Config{OnConnEnd: opts.nodeEnd}, agentCfg)
 	nodeSess.Store(node)
 	return node, agent
 }

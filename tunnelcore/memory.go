@@ -11,7 +11,7 @@ import (
 
 // ConnectionCost is the worst-case memory one virtual connection holds
 // outside the budget: a 64 KiB receive window, what it queues in front of
-// the sender, and the relay's copy buffers (the reference's 293 KiB).
+// the sender, and the relay's copy buffers.
 const ConnectionCost = 293 << 10
 
 // MemoryLimit is what the process may use: GOMEMLIMIT when set, else the
@@ -40,8 +40,8 @@ func MemoryLimit() int64 {
 	return 4 << 30
 }
 
-// Limits are the defaults the reference derives from memory: half of
-// it for the data plane, an eighth of that half for the tunnel budget, the
+// Limits are the defaults derived from memory: half of it for the data
+// plane, an eighth of that half for the tunnel budget, the
 // rest for connections at ConnectionCost each.
 type Limits struct {
 	Memory         int64
@@ -51,7 +51,7 @@ type Limits struct {
 }
 
 // DeriveLimits fills the zero values among budget, connMemory and maxConns
-// from memory, as the reference derives them.
+// from memory (see Limits).
 func DeriveLimits(memory, budget, connMemory, maxConns int64) Limits {
 	d := Limits{Memory: memory, Budget: budget, ConnMemory: connMemory, MaxConnections: maxConns}
 	half := memory / 2

@@ -9,9 +9,8 @@ import (
 // GRPCBufferSize is the read and write buffer size for the gRPC
 // connections that carry tunnels (grpc.ReadBufferSize/WriteBufferSize and
 // their dial options). gRPC's 32 KiB default costs a syscall per 32 KiB;
-// measured on a 2-core machine with BenchmarkStream, 64-256 KiB buffers
-// used 15-20% less CPU for the same bytes (1 MiB was slower again, as the
-// design notes from the spike).
+// a few times that moves the same bytes with fewer syscalls, while 1 MiB
+// buffers are slower again (BenchmarkStream, WB=...).
 const GRPCBufferSize = 128 << 10
 
 // GRPCWindowSize is the static HTTP/2 stream and connection window of the
@@ -20,9 +19,8 @@ const GRPCBufferSize = 128 << 10
 // BDP estimation. On a low-latency link the estimator keeps the window near
 // its 64 KiB start, so the receiver sends a WINDOW_UPDATE every 16 KiB, and
 // it sends a BDP ping for every small message it receives (each of our
-// WindowUpdate frames drew one). Measured through Caddy and an agent on
-// loopback (bench/http.sh's 1 GiB download): 5-10% less CPU per GB on both
-// sides. 16 MiB is the estimator's own ceiling, so the memory a session can
+// WindowUpdate frames drew one): both cost CPU on both sides for nothing
+// a static window does not give (bench/http.sh). 16 MiB is the estimator's own ceiling, so the memory a session can
 // hold in gRPC's buffers is what BDP could reach, and a WAN link gets the
 // full window from the first byte instead of after the ramp. What one
 // virtual connection may have in flight stays bounded by its credit window.
@@ -33,9 +31,9 @@ const GRPCWindowSize = 16 << 20
 var poolTiers = [...]int{4 << 10, 16 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20}
 
 // dirtyPool is a mem.BufferPool that does not zero buffers it hands out.
-// gRPC's default pool clears every buffer on Get, which cost more CPU than
-// the rest of the data path together (measured: 70% of a pipe benchmark);
-// every user of this pool overwrites the bytes it exposes.
+// gRPC's default pool clears every buffer on Get, a second pass over
+// every byte that dominates the cost of the in-memory data path; every
+// user of this pool overwrites the bytes it exposes.
 type dirtyPool struct {
 	tiers [len(poolTiers)]sync.Pool
 }

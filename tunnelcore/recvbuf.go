@@ -22,67 +22,76 @@ const smallPayload = 16 << 10
 // in; a tier of the buffer pool.
 const openChunkSize = 16 << 10
 
+// recvQueue holds a connection's received payloads in order: buffers kept
+// by reference (rq), then the open chunk small payloads are gathered in.
+// It is embedded in Conn and guarded by the connection's mu.
+type recvQueue struct {
+	rq      fifo[mem.Buffer]
+	open    *[]byte // small payloads gathered after rq's last buffer (see smallPayload)
+	openLen int     // bytes of open in use
+}
+
 // bufferLocked appends a received payload of n bytes to the receive queue,
 // taking ownership of it. A payload is kept by reference when it is large
 // and in few pieces: the peer picks the HTTP/2 framing, and a bulk payload
 // sent as thousands of one-byte HTTP/2 frames arrives as thousands of
 // buffers.
-func (c *Conn) bufferLocked(payload mem.BufferSlice, n int64) {
+func (q *recvQueue) bufferLocked(payload mem.BufferSlice, n int64) {
 	if n >= smallPayload && len(payload) <= 2+int(n/smallPayload) {
-		c.sealOpenLocked() // what was gathered came first
+		q.sealOpenLocked() // what was gathered came first
 		for _, b := range payload {
-			c.rq.push(b)
+			q.rq.push(b)
 		}
 		return
 	}
 	for _, b := range payload {
-		c.gatherLocked(b.ReadOnlyData())
+		q.gatherLocked(b.ReadOnlyData())
 	}
 	payload.Free()
 }
 
 // gatherLocked copies data into the open chunk, sealing each chunk it
 // fills.
-func (c *Conn) gatherLocked(data []byte) {
+func (q *recvQueue) gatherLocked(data []byte) {
 	for len(data) > 0 {
-		if c.open == nil {
-			c.open = bufferPool.Get(openChunkSize)
-			c.openLen = 0
+		if q.open == nil {
+			q.open = bufferPool.Get(openChunkSize)
+			q.openLen = 0
 		}
-		m := copy((*c.open)[c.openLen:], data)
-		c.openLen += m
+		m := copy((*q.open)[q.openLen:], data)
+		q.openLen += m
 		data = data[m:]
-		if c.openLen == len(*c.open) {
-			c.sealOpenLocked()
+		if q.openLen == len(*q.open) {
+			q.sealOpenLocked()
 		}
 	}
 }
 
 // sealOpenLocked moves the open chunk, if it holds anything, to the end of
 // the receive queue.
-func (c *Conn) sealOpenLocked() {
-	if c.open == nil {
+func (q *recvQueue) sealOpenLocked() {
+	if q.open == nil {
 		return
 	}
-	if c.openLen == 0 {
-		bufferPool.Put(c.open)
+	if q.openLen == 0 {
+		bufferPool.Put(q.open)
 	} else {
-		*c.open = (*c.open)[:c.openLen]
-		c.rq.push(mem.NewBuffer(c.open, bufferPool))
+		*q.open = (*q.open)[:q.openLen]
+		q.rq.push(mem.NewBuffer(q.open, bufferPool))
 	}
-	c.open, c.openLen = nil, 0
+	q.open, q.openLen = nil, 0
 }
 
 // hasBufferedLocked reports whether received bytes wait for the reader.
-func (c *Conn) hasBufferedLocked() bool {
-	return c.rq.len() > 0 || c.openLen > 0
+func (q *recvQueue) hasBufferedLocked() bool {
+	return q.rq.len() > 0 || q.openLen > 0
 }
 
 // nextBufferLocked reports whether the receive queue has a buffer at its
 // head, sealing the open chunk when it is all that is left.
-func (c *Conn) nextBufferLocked() bool {
-	if c.rq.len() == 0 {
-		c.sealOpenLocked()
+func (q *recvQueue) nextBufferLocked() bool {
+	if q.rq.len() == 0 {
+		q.sealOpenLocked()
 	}
-	return c.rq.len() > 0
+	return q.rq.len() > 0
 }

@@ -13,10 +13,9 @@ import (
 // source socket into a pipe, then, in the connection's turn at the
 // session's sender, the frame's header written to the lane and splice(2)
 // from the pipe into the lane's socket. The bytes are never copied into
-// the process and out again, which was the largest single cost of an agent
-// relaying a download (its copy into the lane's socket, from buffers that
-// had left the CPU cache, cost four times per byte what a bare relay's
-// does). The wire is unchanged: the peer reads the same frames. TLS lanes
+// the process and out again: for an agent relaying a download, the copy
+// into the lane's socket, from buffers that have left the CPU cache by
+// then, is the largest single cost. The wire is unchanged: the peer reads the same frames. TLS lanes
 // and other sources keep the copying path.
 //
 // A pipe frame is queued, charged and dropped as a buffer frame is (its
@@ -146,4 +145,38 @@ func spliceSource(r any) syscall.RawConn {
 		return nil
 	}
 	return rc
+}
+
+// spliceFrom is ReadFrom's loop for a bulk connection from a TCP socket:
+// each frame's payload goes through a pipe, which the sender drains into
+// the lane in the connection's turn. It returns io.EOF at the socket's
+// end and errSpliceOff when the connection is to go on copying.
+func (c *Conn) spliceFrom(src syscall.RawConn) (total int64, err error) {
+	f := &splicedFrame{done: make(chan error, 1)}
+	for {
+		n, err := c.reserve(min(c.s.cfg.MaxFrameSize, pipeSize))
+		if err != nil {
+			return total, err
+		}
+		p, m, err := fillPipe(src, n)
+		if m < n {
+			c.unreserve(int64(n), int64(m))
+		}
+		if err != nil {
+			return total, err
+		}
+		f.pipe, f.n = p, m
+		if !c.s.sendSpliced(c, f) {
+			pipes.put(p, false)
+			return total, c.dataRefused(int64(m))
+		}
+		if err := <-f.done; err != nil {
+			pipes.put(p, false) // it may still hold the payload
+			return total, c.dataRefused(int64(m))
+		}
+		pipes.put(p, true)
+		c.countMoved(true, int64(m))
+		c.s.spliced.Add(int64(m))
+		total += int64(m)
+	}
 }

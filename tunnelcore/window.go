@@ -1,5 +1,7 @@
 package tunnelcore
 
+import "time"
+
 // recvWindow is the receiving end of one direction of a connection: it
 // decides how much credit the peer holds, as HTTP/2 stream windows do, but
 // resizes the window to what the reader sustains.
@@ -17,6 +19,11 @@ type recvWindow struct {
 	peerBlocked   bool  // the peer said it ran out of credit since the last decision
 	readerWaited  bool  // the reader found the buffer empty since the last decision
 	idleDecisions int   // decisions in a row without the peer being blocked
+
+	// Reclaiming the credit of an idle reader (Session.reclaimIdle).
+	lastConsume    time.Time // when the reader last took bytes
+	reclaimPending bool      // a reclaim request is outstanding
+	reclaimSettled bool      // reclaimed since the reader last took bytes: do not ask again
 }
 
 func newRecvWindow(initial int64) recvWindow {
