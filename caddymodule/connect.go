@@ -216,6 +216,7 @@ func (h *handshake) negotiate() error {
 		Progress:     progress,
 		Logger:       n.log().With(zap.String("agent", a.agentID)),
 		OnControl:    func(f *tunnelpb.Frame) { n.onControl(a, f) },
+		OnConnEnd:    func(e tunnelcore.ConnEnd) { n.connEnded(a, e) },
 	})
 	if err != nil {
 		frames.Close(err)

@@ -118,7 +118,13 @@ type NodeStats struct {
 	PendingStreams int   // authenticated agent streams that have not advertised yet
 	PendingConns   int   // control connections that have not authenticated yet
 	AuthFailures   int64 // streams refused for a wrong or missing token
-	Draining       bool
+	// Of the virtual connections that ended (HTTP and TCP): how many, how
+	// many did not close cleanly, and the bytes they carried each way.
+	ConnectionsEnded  int64
+	ConnectionsFailed int64
+	BytesToClients    int64
+	BytesFromClients  int64
+	Draining          bool
 }
 
 // Stats returns a snapshot of every node of this process.
@@ -137,7 +143,12 @@ func Stats() []NodeStats {
 			PendingStreams: n.pending.count(),
 			PendingConns:   n.guard.pendingCount(),
 			AuthFailures:   n.authFailures.Load(),
-			Draining:       n.draining.Load(),
+
+			ConnectionsEnded:  n.conns.ended.Load(),
+			ConnectionsFailed: n.conns.failed.Load(),
+			BytesToClients:    n.conns.fromAgent.Load(),
+			BytesFromClients:  n.conns.toAgent.Load(),
+			Draining:          n.draining.Load(),
 		}
 		for _, a := range n.reg.sessions() {
 			s := a.sess.Stats()

@@ -51,6 +51,7 @@ type node struct {
 	guard          *connGuard            // the control listener's connections that have not authenticated
 	authLog        *logthrottle.Throttle // credentials refused
 	authFailures   atomic.Int64          // streams refused for their credential
+	conns          connTotals            // virtual connections that ended (connEnded)
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc

@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"sync"
 	"time"
@@ -118,15 +119,14 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 	}
 	if err != nil {
 		client.Close()
-		return err
+		return fmt.Errorf("opening a tunnel connection: %w", err)
 	}
 	idle := time.Duration(e.route.GetVerbatimIdleTimeoutMs()) * time.Millisecond
 	if idle == 0 {
 		idle = n.opts.Load().verbatimIdleTimeout
 	}
 	if idle <= 0 {
-		res := tunnelcore.Relay(client, up)
-		return res.Err
+		return relayed(tunnelcore.Relay(client, up))
 	}
 	// A write to the client counts as each 16 KiB piece completes, so a
 	// client reading slowly but steadily is not taken for idle.
@@ -137,8 +137,16 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		up.Close()
 	})
 	defer stop()
-	res := tunnelcore.Relay(client, up)
-	return res.Err
+	return relayed(tunnelcore.Relay(client, up))
+}
+
+// relayed returns a relay's error, wrapped. Its counts are reported when
+// the virtual connection ends (node.connEnded).
+func relayed(res tunnelcore.RelayResult) error {
+	if res.Err != nil {
+		return fmt.Errorf("relaying: %w", res.Err)
+	}
+	return nil
 }
 
 // watchIdle calls onIdle once the virtual connection of a relay has moved
