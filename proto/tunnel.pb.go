@@ -533,6 +533,10 @@ type AdvertiseAck struct {
 	// agent opens (the agent normally opens none).
 	NodeId        string `protobuf:"bytes,3,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
 	InitialWindow uint32 `protobuf:"varint,4,opt,name=initial_window,json=initialWindow,proto3" json:"initial_window,omitempty"`
+	// Build of the node, e.g. "sluice-node v0.1.0 (go1.26)", as Advertise's
+	// build names the agent's. Informational: agents log it and show it in
+	// their status; empty from nodes older than this field.
+	Build         string `protobuf:"bytes,5,opt,name=build,proto3" json:"build,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -593,6 +597,13 @@ func (x *AdvertiseAck) GetInitialWindow() uint32 {
 		return x.InitialWindow
 	}
 	return 0
+}
+
+func (x *AdvertiseAck) GetBuild() string {
+	if x != nil {
+		return x.Build
+	}
+	return ""
 }
 
 type RouteKey struct {
@@ -1316,12 +1327,13 @@ const file_tunnel_proto_rawDesc = "" +
 	"\x18verbatim_idle_timeout_ms\x18\t \x01(\rR\x15verbatimIdleTimeoutMs\x12\x12\n" +
 	"\x04name\x18\n" +
 	" \x01(\tR\x04name\x12%\n" +
-	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\"\xc3\x01\n" +
+	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\"\xd9\x01\n" +
 	"\fAdvertiseAck\x126\n" +
 	"\baccepted\x18\x01 \x03(\v2\x1a.sluice.tunnel.v1.RouteKeyR\baccepted\x12;\n" +
 	"\brejected\x18\x02 \x03(\v2\x1f.sluice.tunnel.v1.RejectedRouteR\brejected\x12\x17\n" +
 	"\anode_id\x18\x03 \x01(\tR\x06nodeId\x12%\n" +
-	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\"\x1e\n" +
+	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\x12\x14\n" +
+	"\x05build\x18\x05 \x01(\tR\x05build\"\x1e\n" +
 	"\bRouteKey\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\\\n" +
 	"\rRejectedRoute\x12\x12\n" +
