@@ -27,6 +27,7 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"other transport", ":80 {\n\tsluice {\n\t\ttransport http {\n\t\t\tversions h2c\n\t\t}\n\t}\n}\n", "only `transport sluice"},
 		{"unknown global", "{\n\tsluice {\n\t\tlisten_port 1\n\t}\n}\n:80\n", `unrecognized option "listen_port"`},
 		{"listen arity", "{\n\tsluice {\n\t\tlisten a b\n\t}\n}\n:80\n", "listen: takes one value"},
+		{"node_id arity", "{\n\tsluice {\n\t\tnode_id\n\t}\n}\n:80\n", "node_id: missing value"},
 		{"tls arity", "{\n\tsluice {\n\t\ttls cert.pem\n\t}\n}\n:80\n", "tls: want <cert_file> <key_file>"},
 		{"bad duration", "{\n\tsluice {\n\t\tadvertise_timeout soon\n\t}\n}\n:80\n", "advertise_timeout"},
 		{"media types with a comma", ":80 {\n\tsluice {\n\t\tstream_request_accept_types text/event-stream,application/x-ndjson\n\t}\n}\n", "sluice: stream_request_accept_types: \"text/event-stream,application/x-ndjson\" is not a media type"},

@@ -63,6 +63,8 @@ func cutUTF8(s string, n int) string {
 func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*routeEntry) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
 	entries, rejected := validateRoutes(routes)
 	entries, overBudget := n.reg.bind(a, entries, previous)
+	n.metrics.rejectRoutes(rejectInvalid, len(rejected))
+	n.metrics.rejectRoutes(rejectPatternBudget, len(overBudget))
 	rejected = append(rejected, overBudget...)
 	opts := n.opts.Load()
 	kept := entries[:0]
@@ -73,6 +75,7 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*rout
 		}
 		if err := n.ports.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route), ListenPort: e.route.GetListenPort(), Reason: err.Error()})
+			n.metrics.rejectRoutes(rejectPort, 1)
 			if ok, suppressed := n.portLog.Allow(); ok {
 				n.log().Warn("agent port route rejected", zap.String("agent", a.agentID), zap.Uint32("port", e.route.GetListenPort()),
 					zap.Error(err), zap.Int("suppressed_since_last", suppressed))

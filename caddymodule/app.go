@@ -163,6 +163,11 @@ type App struct {
 	// descriptor at both ends. Without a data lane there are none either.
 	DisableDirectSockets bool `json:"disable_direct_sockets,omitempty"`
 
+	// NodeID is the `node` label of every metric this node reports into
+	// Caddy's metrics registry, so series from several nodes stay apart
+	// once scraped together. Default: the host name.
+	NodeID string `json:"node_id,omitempty"`
+
 	token     string
 	cert      *tls.Certificate // the control plane's certificate; nil: plaintext
 	portRange portRange
@@ -216,6 +221,12 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	if a.DrainGrace == 0 {
 		a.DrainGrace = caddy.Duration(10 * time.Second)
+	}
+	if a.NodeID == "" {
+		a.NodeID = defaultNodeID()
+	}
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return err
 	}
 	token, err := a.resolveToken()
 	if err != nil {
@@ -422,6 +433,7 @@ func (a *App) Start() error {
 		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
 		noDataLane:          a.DisableDataLane,
 		noDirectSockets:     a.DisableDirectSockets,
+		nodeID:              a.NodeID,
 	}
 	a.prev.opts = a.node.opts.Swap(a.applied)
 	a.node.applyPortOptions(a.prev.opts, a.applied)

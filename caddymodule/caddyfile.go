@@ -47,6 +47,8 @@ func init() {
 //
 //	    data_lane off                  # keep agents on the gRPC stream (proto/README §2.4)
 //	    direct_sockets off             # keep bulk connections on the lane (proto/README §2.5)
+//
+//	    node_id <id>                   # the `node` label of the metrics (default the host name)
 //	}
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -123,6 +125,8 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = offArg(d, opt, &a.DisableDataLane)
 		case "direct_sockets":
 			err = offArg(d, opt, &a.DisableDirectSockets)
+		case "node_id":
+			err = singleArg(d, &a.NodeID)
 		default:
 			return d.Errf("sluice: unrecognized option %q", opt)
 		}

@@ -99,6 +99,7 @@ func (n *node) authenticated(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 		h.progress = tunnelcore.ProgressOf(p.AuthInfo)
 	}
 	if n.draining.Load() {
+		n.metrics.refuseStream(refusedDraining)
 		return nil, status.Error(codes.Unavailable, errDrainingNode.Error())
 	}
 	token, err := authenticatedToken(ctx)
@@ -154,6 +155,7 @@ func (h *handshake) admit() error {
 	h.onRelease(releaseSession)
 	md, _ := metadata.FromIncomingContext(h.stream.Context())
 	if ids := md.Get("x-sluice-id"); len(ids) > 0 && ids[0] != op.adv.GetAgentId() {
+		n.metrics.refuseStream(refusedInvalidAdvertise)
 		return status.Errorf(codes.InvalidArgument, "x-sluice-id %q does not match the advertised agent id %q", ids[0], op.adv.GetAgentId())
 	}
 	return nil
@@ -185,11 +187,13 @@ func (h *handshake) negotiateAndRegister() error {
 func (h *handshake) stillAdmissible() error {
 	n := h.n
 	if cur := n.token.Load(); cur == nil || *cur != h.token {
+		n.metrics.refuseStream(refusedTokenChanged)
 		err := status.Error(codes.Unauthenticated, "the node's token changed while the stream waited for its Advertise")
 		n.logStream("agent rejected", h.remote, err)
 		return err
 	}
 	if n.draining.Load() {
+		n.metrics.refuseStream(refusedDraining)
 		return status.Error(codes.Unavailable, errDrainingNode.Error())
 	}
 	return nil
@@ -199,7 +203,8 @@ func (h *handshake) stillAdmissible() error {
 // lane it attached, else the gRPC stream. Callers hold admitMu.
 func (h *handshake) negotiate() error {
 	n, adv := h.n, h.op.adv
-	a := &agentSession{agentID: adv.GetAgentId(), remote: h.remote, build: adv.GetBuild(), connected: time.Now(), token: h.token}
+	a := &agentSession{agentID: adv.GetAgentId(), remote: h.remote, build: adv.GetBuild(), connected: time.Now(), token: h.token,
+		lane: h.op.lane != nil}
 	frames := tunnelcore.GRPCStream(h.stream, h.cancel)
 	progress := h.progress
 	if h.op.lane != nil {
@@ -224,6 +229,8 @@ func (h *handshake) negotiate() error {
 	}
 	if h.op.lane != nil {
 		h.sessionRan = true
+		n.metrics.laneSessions.Add(1)
+		h.onRelease(func() { n.metrics.laneSessions.Add(-1) })
 		go endWithGRPCStream(sess, h.op.grpcRecv)
 		if h.directKey != "" {
 			n.direct.register(h.directKey, sess)
@@ -315,6 +322,9 @@ func (h *handshake) unregister() error {
 	unregistered := n.reg.unregister(a)
 	n.releasePorts(a.currentRoutes(&n.reg.mu))
 	n.admitMu.Unlock()
+	if errors.Is(sess.Err(), tunnelcore.ErrStalled) {
+		n.metrics.stalls.Add(1)
+	}
 	if unregistered {
 		if ok, suppressed := n.sessionLog.Allow(); ok {
 			n.log().Info("agent disconnected", zap.String("agent", a.agentID), zap.String("remote", h.remote),
@@ -391,11 +401,17 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 	var err error
 	switch {
 	case errors.Is(r.err, errNoAdvertise):
+		n.metrics.advertiseTimeouts.Add(1)
+		n.metrics.refuseStream(refusedAdvertiseTimeout)
 		err = status.Errorf(codes.DeadlineExceeded, "no Advertise within %v", timeout)
 	case errors.Is(r.err, errDrainingNode):
+		n.metrics.refuseStream(refusedDraining)
 		err = status.Error(codes.Unavailable, errDrainingNode.Error())
 	default:
 		op.adv, err = checkAdvertise(r)
+		if err != nil && r.err == nil {
+			n.metrics.refuseStream(refusedInvalidAdvertise) // not a stream that ended before it advertised
+		}
 	}
 	if err != nil && op.frames != nil {
 		op.frames.Close(err) // the lane of a refused stream
@@ -479,7 +495,9 @@ func checkAdvertise(r recvResult) (*tunnelpb.Advertise, error) {
 // sendAck answers an Advertise with the session's routes, or a leaving
 // session's Drain with none. Callers hold admitMu.
 func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
-	ack := &tunnelpb.AdvertiseAck{NodeId: n.id, InitialWindow: tunnelcore.InitialWindow, Rejected: rejected}
+	// Build names the node to the agent, which logs it on connect.
+	ack := &tunnelpb.AdvertiseAck{NodeId: n.id, InitialWindow: tunnelcore.InitialWindow, Rejected: rejected,
+		Build: tunnelpb.Build("sluice-node", "")}
 	if !a.leaving.Load() {
 		for _, e := range a.routes {
 			ack.Accepted = append(ack.Accepted, &tunnelpb.RouteKey{Name: routeName(e.route)})
@@ -493,11 +511,13 @@ func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
 func (n *node) admitStream(remote string, opts *nodeOptions) (func(), error) {
 	rel, ok := n.pending.acquire(opts.maxPending)
 	if !ok {
+		n.metrics.refuseStream(refusedPending)
 		return nil, status.Errorf(codes.ResourceExhausted, "too many agent streams awaiting Advertise (max_pending_streams %d)", opts.maxPending)
 	}
 	relAddr, ok := n.pendingByAddr.acquire(remote, opts.maxPendingPerAddr)
 	if !ok {
 		rel()
+		n.metrics.refuseStream(refusedPendingPerAddr)
 		return nil, status.Errorf(codes.ResourceExhausted, "too many agent streams awaiting Advertise from %s (max_pending_streams_per_address %d)", addrHost(remote), opts.maxPendingPerAddr)
 	}
 	return func() { relAddr(); rel() }, nil
@@ -514,11 +534,13 @@ func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), 
 	}
 	rel, ok := n.sessions.acquire(limit)
 	if !ok {
+		n.metrics.refuseStream(refusedSessions)
 		return nil, status.Errorf(codes.ResourceExhausted, "node has its maximum of %d agent sessions (max_sessions)", limit)
 	}
 	relAddr, ok := n.sessionsByAddr.acquire(remote, perAddr)
 	if !ok {
 		rel()
+		n.metrics.refuseStream(refusedSessionsPerAddr)
 		return nil, status.Errorf(codes.ResourceExhausted, "%s has its maximum of %d agent sessions (max_sessions_per_address)", addrHost(remote), perAddr)
 	}
 	return func() { relAddr(); rel() }, nil

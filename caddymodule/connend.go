@@ -41,6 +41,7 @@ func (n *node) connEnded(a *agentSession, e tunnelcore.ConnEnd) {
 	}
 	t.fromAgent.Add(e.Read)
 	t.toAgent.Add(e.Written)
+	n.metrics.connEnded(e)
 	if ce := n.log().Check(zap.DebugLevel, "tunnel connection ended"); ce != nil {
 		ce.Write(zap.String("agent", a.agentID), zap.String("route", e.Info.RouteKey), zap.String("kind", connKind(e.Info)),
 			zap.String("client", e.Info.RemoteAddr), zap.Int64("bytes_to_client", e.Read), zap.Int64("bytes_from_client", e.Written),

@@ -3,8 +3,11 @@
 // route table, shared across config reloads), the HTTP handler `sluice` (a
 // reverse_proxy preconfigured for tunnels), the dynamic upstream source
 // `http.reverse_proxy.upstreams.sluice` and the transport
-// `http.reverse_proxy.transport.sluice` that dials virtual connections, and
-// their Caddyfile syntax (the `sluice` global option and directive).
+// `http.reverse_proxy.transport.sluice` that dials virtual connections, the
+// node's state on Caddy's admin API (`admin.api.sluice`: status, lookup,
+// health, readiness), the probe handler `http.handlers.sluice_health`, the
+// node's metrics in Caddy's registry, and their Caddyfile syntax (the
+// `sluice` global option, the `sluice` and `sluice_health` directives).
 //
 // Nothing here knows the wire format: it reaches agents through
 // tunnelcore.Session.

@@ -95,6 +95,7 @@ func (n *node) refuseTCP(client net.Conn, limit string) {
 // logLimit counts a refusal and logs it through the throttle.
 func (n *node) logLimit(kind, limit, remote string) {
 	n.refused.Add(1)
+	n.metrics.refuseLimit(limit)
 	if ok, suppressed := n.limitLog.Allow(); ok {
 		n.log().Warn("connection refused by a limit", zap.String("kind", kind), zap.String("limit", limit),
 			zap.String("remote", remote), zap.Int64("refused_total", n.refused.Load()), zap.Int("suppressed_since_last", suppressed))

@@ -50,8 +50,10 @@ type node struct {
 	portBindLog    *logthrottle.Throttle // agent ports bound and released
 	guard          *connGuard            // the control listener's connections that have not authenticated
 	authLog        *logthrottle.Throttle // credentials refused
+	accessLog      *logthrottle.Throttle // TCP access lines (logTCPAccess): 100 a second
 	authFailures   atomic.Int64          // streams refused for their credential
 	conns          connTotals            // virtual connections that ended (connEnded)
+	metrics        nodeCounters          // the counters the metrics report (metrics.go)
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining
 	drainNow       context.CancelFunc
@@ -111,6 +113,7 @@ type nodeOptions struct {
 	verbatimIdleTimeout time.Duration // default idle bound of relayed TCP connections; 0 = off
 	noDataLane          bool          // offer agents no data lane (App.DisableDataLane)
 	noDirectSockets     bool          // offer agents no direct sockets (App.DisableDirectSockets)
+	nodeID              string        // the node label of its metrics (App.NodeID)
 }
 
 // nodeKey identifies a node in the pool.
@@ -135,6 +138,7 @@ func newNode(addr string, cert *tls.Certificate, logger *zap.Logger) *node {
 		portLog:        logthrottle.New(time.Minute, 5),
 		portBindLog:    logthrottle.New(10*time.Second, 64),
 		authLog:        logthrottle.New(10*time.Second, 5),
+		accessLog:      logthrottle.New(time.Second, 100),
 		idleClosers:    map[any]func(){},
 	}
 	n.ports = newPortManager(n)

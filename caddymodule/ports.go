@@ -214,3 +214,15 @@ func (m *portManager) closeAll() {
 		c.ln.Close()
 	}
 }
+
+// claimCounts returns the ports bound for claims and the standby claims
+// (claimants past each port's owner), for the metrics.
+func (m *portManager) claimCounts() (bound, standby int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, c := range m.by {
+		bound++
+		standby += max(len(c.claimants)-1, 0)
+	}
+	return bound, standby
+}

@@ -38,6 +38,7 @@ type agentSession struct {
 	displaced bool
 	routes    []*routeEntry
 	token     string // the token it authenticated with (a reload that changes the token ends it)
+	lane      bool   // its frames run on the data lane the agent attached, not the gRPC stream
 
 	// advertised is the agent's last Advertise, re-admitted when a reload
 	// changes the port options. Guarded by node.admitMu.

@@ -461,7 +461,54 @@ func (w *policyWriter) Flush() {
 	http.NewResponseController(w.ResponseWriter).Flush()
 }
 
-// Hijack implements http.Hijacker for WebSocket upgrades.
+// Hijack implements http.Hijacker for WebSocket upgrades. reverse_proxy
+// copies an upgraded connection's bytes between the hijacked client
+// connection and the upstream itself, past this writer and the request
+// body: the connection is returned counting them for the "stream closed"
+// line. The bytes the client sent ahead, which reverse_proxy takes from
+// the buffered reader, count at once; the 101 head it flushes does not.
 func (w *policyWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
-	return http.NewResponseController(w.ResponseWriter).Hijack()
+	c, brw, err := http.NewResponseController(w.ResponseWriter).Hijack()
+	if err != nil {
+		return c, brw, err
+	}
+	if brw != nil {
+		w.x.bytesIn.Add(int64(brw.Reader.Buffered()))
+	}
+	return &countingConn{Conn: c, in: &w.x.bytesIn, out: &w.x.bytesOut}, brw, nil
+}
+
+// countingConn counts the bytes read from (in) and written to (out) a
+// hijacked client connection. It keeps CloseWrite, by which reverse_proxy
+// passes on a half-close; ReadFrom and WriteTo of a TCP connection are no
+// loss, as they copy through a buffer anyway when the other end is the
+// upstream's connection (neither a socket nor a file).
+type countingConn struct {
+	net.Conn
+	in, out *atomic.Int64
+}
+
+func (c *countingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	c.in.Add(int64(n))
+	return n, err
+}
+
+func (c *countingConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	c.out.Add(int64(n))
+	return n, err
+}
+
+// errNoCloseWrite: the client connection cannot be half-closed;
+// reverse_proxy then ends the whole tunnel, as it does for such a
+// connection unwrapped.
+var errNoCloseWrite = errors.New("sluice: the client connection cannot be half-closed")
+
+// CloseWrite half-closes the client connection.
+func (c *countingConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return errNoCloseWrite
 }

@@ -42,6 +42,8 @@ var ErrLimit = errors.New("sluice: connection limit reached")
 func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 	e := a.node.resolveTCP(target)
 	if e == nil {
+		x := &tcpAccess{start: time.Now(), client: client.RemoteAddr().String(), serverName: target.ServerName, route: target.Route}
+		a.node.logTCPAccess(x, ErrNoRoute)
 		return ErrNoRoute
 	}
 	return a.node.relayTCPAgain(client, e, target.ServerName, func() *routeEntry { return a.node.resolveTCP(target) })
@@ -73,24 +75,29 @@ func (n *node) resolveTCP(target TCPTarget) *routeEntry {
 // agent left (errAgentLeft) between the lookup and the open: its routes
 // are out of the table by then, so the connection goes to whichever agent
 // serves it now, as it would have a moment later.
+//
+// It writes the connection's one access line (logTCPAccess) when it ends.
 func (n *node) relayTCPAgain(client net.Conn, e *routeEntry, serverName string, again func() *routeEntry) error {
-	err := n.relayTCP(client, e, serverName)
-	if !errors.Is(err, errAgentLeft) {
-		return err
-	}
-	if next := again(); next != nil && next.agent != e.agent {
-		err = n.relayTCP(client, next, serverName)
-	}
+	x := &tcpAccess{start: time.Now(), client: client.RemoteAddr().String(), serverName: serverName, route: routeName(e.route), agent: e.agent}
+	err := n.relayTCP(client, e, x)
 	if errors.Is(err, errAgentLeft) {
-		client.Close()
+		if next := again(); next != nil && next.agent != e.agent {
+			x.route, x.agent = routeName(next.route), next.agent
+			err = n.relayTCP(client, next, x)
+		}
+		if errors.Is(err, errAgentLeft) {
+			client.Close()
+		}
 	}
+	n.logTCPAccess(x, err)
 	return err
 }
 
 // relayTCP opens a virtual connection for route e on its session and
 // relays client through it, closing both when done or when the route's idle
 // timeout passes with no byte either way.
-func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error {
+// x records what the access line says.
+func (n *node) relayTCP(client net.Conn, e *routeEntry, x *tcpAccess) error {
 	// The connection's peer: layer4's proxy_protocol handler (with its
 	// allow list) replaces it with the PROXY header's source.
 	if !e.allows(client.RemoteAddr().String()) {
@@ -107,7 +114,7 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		RouteKey:   routeName(e.route),
 		RemoteAddr: client.RemoteAddr().String(),
 		LocalAddr:  client.LocalAddr().String(),
-		ServerName: serverName,
+		ServerName: x.serverName,
 	}
 	up, err := n.open(context.Background(), e.agent, info)
 	if errors.Is(err, tunnelcore.ErrConnLimit) {
@@ -119,6 +126,7 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 	}
 	if err != nil {
 		client.Close()
+		x.outcome = accessOpenFailed
 		return fmt.Errorf("opening a tunnel connection: %w", err)
 	}
 	idle := time.Duration(e.route.GetVerbatimIdleTimeoutMs()) * time.Millisecond
@@ -126,23 +134,26 @@ func (n *node) relayTCP(client net.Conn, e *routeEntry, serverName string) error
 		idle = n.opts.Load().verbatimIdleTimeout
 	}
 	if idle <= 0 {
-		return relayed(tunnelcore.Relay(client, up))
+		return x.relayed(e, up, tunnelcore.Relay(client, up))
 	}
 	// A write to the client counts as each 16 KiB piece completes, so a
 	// client reading slowly but steadily is not taken for idle.
 	up.SetWriteToBatch(16 << 10)
 	stop := watchIdle(up, idle, func() {
 		n.log().Debug("closing idle TCP relay", zap.String("route", info.RouteKey), zap.Duration("idle", idle))
+		x.idle.Store(true)
 		client.Close()
 		up.Close()
 	})
 	defer stop()
-	return relayed(tunnelcore.Relay(client, up))
+	return x.relayed(e, up, tunnelcore.Relay(client, up))
 }
 
-// relayed returns a relay's error, wrapped. Its counts are reported when
-// the virtual connection ends (node.connEnded).
-func relayed(res tunnelcore.RelayResult) error {
+// relayed records a relay's route, connection and counts for the access
+// line and returns its error, wrapped. The virtual connection's own counts
+// are reported when it ends (node.connEnded).
+func (x *tcpAccess) relayed(e *routeEntry, up *tunnelcore.Conn, res tunnelcore.RelayResult) error {
+	x.served(e, up, res)
 	if res.Err != nil {
 		return fmt.Errorf("relaying: %w", res.Err)
 	}

@@ -245,7 +245,9 @@ func (t *Transport) Cleanup() error {
 
 // RoundTrip rewrites the Host for routes that ask for it, then proxies,
 // over HTTP/1.1 for force_http1 routes. It counts the requests in flight on
-// each agent session, for an agent that leaves (node.leave).
+// each agent session, for an agent that leaves (node.leave), and names the
+// agent, route and transport that served in the request's placeholders
+// (setServedBy), for Caddy's access log.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	di, ok := reverseproxy.GetDialInfo(req.Context())
 	if !ok {
@@ -255,12 +257,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if e == nil {
 		return t.HTTPTransport.RoundTrip(req)
 	}
-	var conn atomic.Pointer[net.Conn] // the connection of an upgrade request
-	if req.Header.Get("Upgrade") != "" {
-		req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
-			GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
-		}))
-	}
+	served := &servedBy{agent: e.agent}
+	setServedBy(req, e, served)
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) { served.conn.Store(&info.Conn) },
+	}))
 	if h := e.route.GetRewriteHost(); h != "" {
 		req.Host = h
 	}
@@ -295,7 +296,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		// request is in flight; its body must stay the connection
 		// (reverse_proxy asserts io.ReadWriteCloser).
 		if err == nil {
-			markUpgraded(conn.Load())
+			markUpgraded(served.conn.Load())
 		}
 		t.requestDone(e.agent)
 		return res, err
@@ -367,17 +368,9 @@ func markUpgraded(c *net.Conn) {
 	if c == nil {
 		return
 	}
-	for nc := *c; nc != nil; {
-		switch x := nc.(type) {
-		case *tunnelcore.Conn:
-			if h, ok := x.Info().Tag.(*httpConn); ok {
-				h.upgraded.Store(true)
-			}
-			return
-		case interface{ NetConn() net.Conn }: // *tls.Conn
-			nc = x.NetConn()
-		default:
-			return
+	if tc := tunnelConn(*c); tc != nil {
+		if h, ok := tc.Info().Tag.(*httpConn); ok {
+			h.upgraded.Store(true)
 		}
 	}
 }
