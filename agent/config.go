@@ -90,6 +90,14 @@ type Config struct {
 	// buffers. The cost is one more socket per bulk connection at both
 	// ends. Without a data lane there are no direct sockets either.
 	DisableDirectSockets bool `yaml:"disable_direct_sockets"`
+	// AdminListen is the host:port of the agent's admin listener, which
+	// serves /metrics (Prometheus), /healthz, /readyz and /status (JSON);
+	// empty (the default) serves none. Flag -admin-listen, environment
+	// SLUICE_ADMIN_LISTEN. It answers without authentication and tells
+	// the agent's routes and state, so keep it on loopback
+	// (127.0.0.1:9001) or a private network: the agent warns when it
+	// binds beyond loopback.
+	AdminListen string `yaml:"admin_listen"`
 
 	serverTLS  bool   // parsed Server: grpcs
 	serverAddr string // parsed Server: host:port
@@ -432,6 +440,7 @@ const (
 	EnvShutdownGrace  = "SLUICE_SHUTDOWN_GRACE"
 	EnvDisableLane    = "SLUICE_DISABLE_DATA_LANE"
 	EnvDisableDirect  = "SLUICE_DISABLE_DIRECT_SOCKETS"
+	EnvAdminListen    = "SLUICE_ADMIN_LISTEN"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -451,6 +460,7 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 	}
 	setStr(EnvID, &c.ID)
 	setStr(EnvLogLevel, &c.LogLevel)
+	setStr(EnvAdminListen, &c.AdminListen)
 	c.setToken(getenv(EnvToken), getenv(EnvTokenFile))
 	// envBool is the boolean in variable name, nil when it is unset or
 	// invalid (an error then).
@@ -613,6 +623,7 @@ func (c *Config) Validate() error {
 	c.validateToken(&p)
 	c.validateID(&p)
 	c.validateLimits(&p)
+	c.validateAdminListen(&p)
 	c.validateUpstreams(&p)
 	return errors.Join(p.errs...)
 }
@@ -704,6 +715,35 @@ func (c *Config) validateLimits(p *problems) {
 	case c.ShutdownGrace > tunnelpb.MaxLeaveGrace:
 		p.add("shutdown_grace", "at most %v (the node ends a leaving agent's session then), got %v", tunnelpb.MaxLeaveGrace, c.ShutdownGrace)
 	}
+}
+
+// validateAdminListen checks AdminListen is a host:port to bind, so that
+// a typo fails at start naming the field rather than when Run binds it.
+func (c *Config) validateAdminListen(p *problems) {
+	c.AdminListen = strings.TrimSpace(c.AdminListen)
+	if c.AdminListen == "" {
+		return
+	}
+	if err := checkListenAddr(c.AdminListen); err != nil {
+		p.add("admin_listen", "%v", err)
+	}
+}
+
+// checkListenAddr checks addr is host:port with a port number (0 picks
+// one) and a host that is empty (all interfaces), an IP address or a
+// name.
+func checkListenAddr(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%q is not host:port (as in 127.0.0.1:9001): %w", addr, err)
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || (n == 0 && port != "0") {
+		return fmt.Errorf("%q: invalid port %q", addr, port)
+	}
+	if strings.ContainsAny(host, " /") {
+		return fmt.Errorf("%q: invalid host %q", addr, host)
+	}
+	return nil
 }
 
 // validateUpstreams checks each upstream, then what a node checks across

@@ -60,6 +60,29 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 		return nil, err
 	}
 
+	v.apply(c, set)
+	var errs []error
+	for k, spec := range v.upstreams {
+		u, err := ParseUpstream(spec)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("-upstream: %w", err))
+			continue
+		}
+		u.origin = fmt.Sprintf("-upstream[%d]", k)
+		c.Upstreams = append(c.Upstreams, u)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// apply sets in c the settings given as flags (set names them), over
+// those of the environment and the config file.
+func (v *flagValues) apply(c *Config, set map[string]bool) {
 	var (
 		server, caFile *string
 		insecure       *bool
@@ -95,30 +118,17 @@ func ParseFlags(args []string, getenv func(string) string) (*Config, error) {
 	if set["disable-direct-sockets"] {
 		c.DisableDirectSockets = v.disableDirect
 	}
+	if set["admin-listen"] {
+		c.AdminListen = v.adminListen
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
-	var errs []error
-	for k, spec := range v.upstreams {
-		u, err := ParseUpstream(spec)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("-upstream: %w", err))
-			continue
-		}
-		u.origin = fmt.Sprintf("-upstream[%d]", k)
-		c.Upstreams = append(c.Upstreams, u)
-	}
-	if err := errors.Join(errs...); err != nil {
-		return nil, err
-	}
-	if err := c.Validate(); err != nil {
-		return nil, err
-	}
-	return c, nil
 }
 
 type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
+	adminListen                                            string
 	insecure, version, disableLane, disableDirect          bool
 	maxConns                                               int
 	tunnelBudget                                           int64
@@ -144,6 +154,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.DurationVar(&v.shutdownGrace, "shutdown-grace", 0, "on SIGINT/SIGTERM, how long open connections may finish; a second signal cuts them; 0 = "+DefaultShutdownGrace.String()+" ($"+EnvShutdownGrace+")")
 	fs.BoolVar(&v.disableLane, "disable-data-lane", false, "keep sessions on the gRPC stream: no second connection for the data lane ($"+EnvDisableLane+")")
 	fs.BoolVar(&v.disableDirect, "disable-direct-sockets", false, "keep every connection on the data lane: no socket of its own for a bulk connection ($"+EnvDisableDirect+")")
+	fs.StringVar(&v.adminListen, "admin-listen", "", "serve /metrics, /healthz, /readyz and /status on `host:port`, e.g. 127.0.0.1:9001; no authentication: keep it on loopback; default off ($"+EnvAdminListen+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	// Listed here so that -h shows it among the flags; ParseFlags answers
 	// it with ErrVersion.
@@ -178,7 +189,7 @@ Environment:
   %s  %s  %s  %s
   %s  %s  %s  %s
   %s  %s  %s  %s
-  %s  %s
+  %s  %s  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -197,7 +208,7 @@ Upstream spec (-upstream, %s):
   so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
   through an https:// target.
 `, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
-		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvUpstreams)
+		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvAdminListen, EnvUpstreams)
 }
 
 type stringList []string

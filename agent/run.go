@@ -9,8 +9,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"runtime"
-	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -34,20 +32,12 @@ import (
 
 // Version is the agent's version, reported in Advertise.build. Release
 // builds set it with -ldflags "-X github.com/sluice-tunnel/sluice/agent.Version=v1.2.3";
-// otherwise it is the module version from the build info, or "devel".
+// otherwise it is sluice's module version from the build info, or "devel".
 var Version = ""
 
-// BuildString returns "sluice-agent <version> (<go version>)".
-func BuildString() string {
-	v := Version
-	if v == "" {
-		v = "devel"
-		if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
-			v = bi.Main.Version
-		}
-	}
-	return "sluice-agent " + v + " (" + runtime.Version() + ")"
-}
+// BuildString returns "sluice-agent <version> (<go version>)", built as
+// the node builds its own (tunnelpb.Build).
+func BuildString() string { return tunnelpb.Build("sluice-agent", Version) }
 
 // Timeouts of the session handshake and shutdown.
 const (
@@ -116,6 +106,12 @@ type Agent struct {
 	sessions atomic.Int64 // sessions acknowledged so far
 	current  atomic.Pointer[tunnelcore.Session]
 	budget   *tunnelcore.Budget // windows above 64 KiB, shared by the agent's sessions
+	limits   tunnelcore.Limits  // as derived from the config (agentLimits)
+	// counters and live feed the admin listener's metrics and status.
+	counters *connCounters
+	live     liveState
+	// adminAddr is the admin listener's address while it listens.
+	adminAddr atomic.Pointer[net.TCPAddr]
 	// laneRetryAt is when sessions may try the data lane again after one
 	// failed to open (unix nanoseconds; see laneRetryAfter).
 	laneRetryAt atomic.Int64
@@ -168,7 +164,10 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		lastToken:      cfg.Token,
 	}
 	lim := agentLimits(cfg)
+	a.limits = lim
 	a.budget = tunnelcore.NewBudget(lim.Budget)
+	a.counters = newConnCounters(cfg)
+	a.live.setState(StateIdle)
 	a.leaveReq, a.requestLeave = context.WithCancel(context.Background())
 	for _, o := range opts {
 		o(a)
@@ -179,9 +178,10 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 	}
 	a.creds = creds
 	a.conn = newConnector(cfg, lim.MaxConnections, logger)
-	a.conn.onEnd = a.onConnEnd
+	a.conn.onEnd = a.connEnded
 	logLimits(logger, cfg, lim)
 	warnPlaintextToken(logger, cfg)
+	warnAdminExposed(logger, cfg.AdminListen)
 	return a, nil
 }
 
@@ -279,7 +279,19 @@ func (a *Agent) NodeID() string {
 // ActiveConns returns the number of connections being dialed or relayed.
 func (a *Agent) ActiveConns() int { return a.conn.Active() }
 
-func (a *Agent) setState(s State) { a.state.Store(int32(s)) }
+func (a *Agent) setState(s State) {
+	a.state.Store(int32(s))
+	a.live.setState(s)
+}
+
+// connEnded counts an ended connection for the metrics and status, then
+// hands it to WithConnEnd's function.
+func (a *Agent) connEnded(r ConnReport) {
+	a.counters.record(r)
+	if a.onConnEnd != nil {
+		a.onConnEnd(r)
+	}
+}
 
 // Stats returns what the current session holds (zero while disconnected):
 // its connections, the bytes received and not yet relayed to upstreams, and
@@ -309,6 +321,7 @@ func (a *Agent) markConnected(nodeID string) {
 }
 
 func (a *Agent) markDisconnected(next State) {
+	a.live.disconnected()
 	a.mu.Lock()
 	a.nodeID = ""
 	a.setState(next)
@@ -342,6 +355,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.log.Info("agent stopped")
 		close(a.stopped)
 	}()
+	stopAdmin, err := a.startAdmin()
+	if err != nil {
+		return err
+	}
+	defer stopAdmin()
 
 	bo := newBackoff(a.backoffInitial, a.backoffMax, nil)
 	announce := true // log "connecting" at info (first attempt, or after a session)
@@ -378,6 +396,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			return nil
 		case <-t.C:
 		}
+		a.counters.reconnects.Add(1)
 	}
 	return nil
 }
@@ -461,6 +480,7 @@ func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
 	if r.connected {
 		fields = append(fields, zap.String("connected_for", r.uptime.Round(time.Millisecond).String()))
 	}
+	a.live.setLastError(msg)
 	if hint := connectHint(msg, a.cfg.serverTLS); hint != "" {
 		fields = append(fields, zap.String("hint", hint))
 	}

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -228,10 +229,17 @@ func (s *sessionAttempt) announce(ack *tunnelpb.AdvertiseAck) {
 	s.a.log.Info("connected",
 		zap.String("server", s.a.cfg.Server),
 		zap.String("node_id", ack.GetNodeId()),
+		zap.String("node_build", cmp.Or(ack.GetBuild(), "unknown (an older node)")),
 		zap.Strings("routes", s.routes.update(s.a.log, ack)),
 		zap.Bool("data_lane", s.tr.onLane),
 		zap.Bool("direct_sockets", s.tr.directDial != nil),
 		zap.Bool("stall_progress", s.tr.progress != nil)) // see tunnelcore.Config.Progress
+	transport := TransportGRPCStream
+	if s.tr.onLane {
+		transport = TransportDataLane
+	}
+	s.a.recordAck(ack)
+	s.a.live.connected(ack.GetBuild(), transport, s.tr.directDial != nil)
 	s.a.markConnected(ack.GetNodeId())
 }
 
@@ -322,6 +330,7 @@ func (s *sessionAttempt) onAck() {
 		s.lv.answered(ack)
 	default:
 		s.routes.update(s.a.log, ack)
+		s.a.recordAck(ack)
 		s.readv.schedule(len(ack.GetRejected()) > 0)
 	}
 }
@@ -341,6 +350,7 @@ func (s *sessionAttempt) readvertise() {
 // deadline, so it reconnects.
 func (s *sessionAttempt) nodeDraining(grace time.Duration) {
 	s.stopDrainTimer()
+	s.a.live.setDraining()
 	s.drainTimer = time.NewTimer(grace + s.a.drainMargin)
 }
 
