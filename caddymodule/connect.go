@@ -222,6 +222,7 @@ func (h *handshake) negotiate() error {
 		Logger:       n.log().With(zap.String("agent", a.agentID)),
 		OnControl:    func(f *tunnelpb.Frame) { n.onControl(a, f) },
 		OnConnEnd:    func(e tunnelcore.ConnEnd) { n.connEnded(a, e) },
+		Counters:     &n.metrics.tunnel,
 	})
 	if err != nil {
 		frames.Close(err)
@@ -229,8 +230,6 @@ func (h *handshake) negotiate() error {
 	}
 	if h.op.lane != nil {
 		h.sessionRan = true
-		n.metrics.laneSessions.Add(1)
-		h.onRelease(func() { n.metrics.laneSessions.Add(-1) })
 		go endWithGRPCStream(sess, h.op.grpcRecv)
 		if h.directKey != "" {
 			n.direct.register(h.directKey, sess)

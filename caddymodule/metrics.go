@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -140,8 +142,7 @@ type routeCounters struct {
 	ends     [len(connKindNames)][numOutcomes]atomic.Int64
 }
 
-// nodeCounters are a node's counters, and the gauge of its sessions on a
-// data lane (which agentSession does not record).
+// nodeCounters are a node's counters.
 type nodeCounters struct {
 	routes     sync.Map // route name → *routeCounters
 	routeCount atomic.Int64
@@ -152,7 +153,32 @@ type nodeCounters struct {
 	streamsRefused    [len(streamRefusalNames)]atomic.Int64
 	limitRefused      [len(limitReasonNames)]atomic.Int64
 	routesRejected    [len(routeRejectNames)]atomic.Int64
-	laneSessions      atomic.Int64
+	// tunnel counts the flow-control events of every session of the node
+	// (tunnelcore.Config.Counters).
+	tunnel tunnelcore.Counters
+	// streams counts the exchanges the stream policy classified as
+	// streams, by class and outcome (Handler.logStream).
+	streams [len(streamClassNames)][len(streamOutcomeNames)]atomic.Int64
+}
+
+// streamClassNames and streamOutcomeNames are the label values of
+// sluice_streams_total: the stream policy's classifications (streaming.go)
+// and how exchanges end (outcome).
+var (
+	streamClassNames   = [...]string{classPathPrefix, classAccept, classContentType, classUpgrade, "none"}
+	streamOutcomeNames = [...]string{outcomeCompleted, outcomeClientDisconnect, outcomeUpstreamError, outcomeExchangeTimeout, outcomeIdleTimeout, outcomeShutdown}
+)
+
+// countStream counts an exchange of class that ended with outcome; values
+// outside the bounded sets are not counted.
+func (c *nodeCounters) countStream(class, outcome string) {
+	if class == "" {
+		class = "none"
+	}
+	ci, oi := slices.Index(streamClassNames[:], class), slices.Index(streamOutcomeNames[:], outcome)
+	if ci >= 0 && oi >= 0 {
+		c.streams[ci][oi].Add(1)
+	}
 }
 
 // route returns the counters of the route named name: one map lookup once
@@ -265,6 +291,7 @@ type metricsCollector struct {
 	sessionsLimit, awaitingAgent                                *prometheus.Desc
 	dataLimit, dataAdmitted, dataRejected                       *prometheus.Desc
 	authFailures, advertiseRejected, portClaims                 *prometheus.Desc
+	windowUpdates, creditWaits, stallSeconds, streamsTotal      *prometheus.Desc
 }
 
 // newMetricsCollector describes every metric; nodes lists what to report.
@@ -299,6 +326,10 @@ func newMetricsCollector(nodes func() []*node) *metricsCollector {
 		authFailures:         d("sluice_auth_failures_total", "Agent streams refused for a wrong or missing token."),
 		advertiseRejected:    d("sluice_advertise_rejected_total", "Advertised routes rejected at admission, by reason.", "reason"),
 		portClaims:           d("sluice_port_claims", "Claimed ports: bound (one owner each) and standby claims.", "state"),
+		windowUpdates:        d("sluice_tunnel_window_updates_total", "Credit grants (WindowUpdate frames with an increment), by direction (sent, received).", "direction"),
+		creditWaits:          d("sluice_tunnel_credit_waits_total", "Times a connection had bytes for its agent and waited for its credit."),
+		stallSeconds:         d("sluice_tunnel_stall_seconds", "How long the most stalled session's stream has had a send blocked; 0 when none."),
+		streamsTotal:         d("sluice_streams_total", "Exchanges the stream policy classified as streams, by class and outcome.", "class", "outcome"),
 	}
 }
 
@@ -310,6 +341,7 @@ func (m *metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 		m.stallFailures, m.advertiseTimeouts, m.streamsRefused,
 		m.streamsPending, m.streamsPendingLimit, m.controlPending, m.sessionsLimit, m.awaitingAgent,
 		m.dataLimit, m.dataAdmitted, m.dataRejected, m.authFailures, m.advertiseRejected, m.portClaims,
+		m.windowUpdates, m.creditWaits, m.stallSeconds, m.streamsTotal,
 	} {
 		ch <- d
 	}
@@ -341,19 +373,25 @@ func (e emitter) counter(d *prometheus.Desc, v float64, labels ...string) {
 
 // sessionTally is what collectSessions reads off the sessions.
 type sessionTally struct {
-	sessions, buildUnknown, direct int
-	buffered                       int64
-	active                         map[string]int // open connections by route name
+	sessions, lane, buildUnknown, direct int
+	buffered                             int64
+	stalled                              time.Duration  // the longest blocked send
+	active                               map[string]int // open connections by route name
 }
 
 // tallySessions walks every session and its open connections once.
 func tallySessions(n *node) sessionTally {
 	t := sessionTally{active: map[string]int{}}
+	now := time.Now()
 	for _, a := range n.reg.sessions() {
 		t.sessions++
+		if a.lane {
+			t.lane++
+		}
 		if a.build == "" {
 			t.buildUnknown++
 		}
+		t.stalled = max(t.stalled, a.sess.SendBlockedFor(now))
 		t.buffered += a.sess.Stats().Buffered
 		for _, c := range a.sess.Conns() {
 			t.active[c.Info().RouteKey]++
@@ -369,7 +407,8 @@ func tallySessions(n *node) sessionTally {
 func (m *metricsCollector) collectSessions(e emitter, n *node) {
 	t := tallySessions(n)
 	e.gauge(m.sessions, float64(t.sessions))
-	e.gauge(m.sessionsLane, float64(n.metrics.laneSessions.Load()))
+	e.gauge(m.sessionsLane, float64(t.lane))
+	e.gauge(m.stallSeconds, t.stalled.Seconds())
 	e.gauge(m.sessionsBuildUnknown, float64(t.buildUnknown))
 	e.gauge(m.directSockets, float64(t.direct))
 	e.gauge(m.buffered, float64(t.buffered))
@@ -414,6 +453,16 @@ func (m *metricsCollector) collectCounters(e emitter, n *node) {
 	}
 	for i, name := range routeRejectNames {
 		e.counter(m.advertiseRejected, float64(c.routesRejected[i].Load()), name)
+	}
+	e.counter(m.windowUpdates, float64(c.tunnel.WindowUpdatesSent.Load()), "sent")
+	e.counter(m.windowUpdates, float64(c.tunnel.WindowUpdatesReceived.Load()), "received")
+	e.counter(m.creditWaits, float64(c.tunnel.CreditWaits.Load()))
+	for ci, class := range streamClassNames {
+		for oi, out := range streamOutcomeNames {
+			if v := c.streams[ci][oi].Load(); v != 0 {
+				e.counter(m.streamsTotal, float64(v), class, out)
+			}
+		}
 	}
 	c.routes.Range(func(_, v any) bool {
 		m.collectRoute(e, v.(*routeCounters).label, v.(*routeCounters))

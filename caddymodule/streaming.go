@@ -393,6 +393,7 @@ func (h *Handler) logStream(r *http.Request, x *exchange, out string) {
 		class = x.expected
 	}
 	x.mu.Unlock()
+	h.app.node.metrics.countStream(class, out)
 	h.logger.Info("stream closed",
 		zap.String("host", r.Host), zap.String("uri", r.RequestURI), zap.String("remote", r.RemoteAddr),
 		zap.String("classification", class), zap.String("outcome", out),

@@ -21,7 +21,7 @@ import (
 
 // metricsSites serves Caddy's metrics handler on metrics.test and tunnels
 // app.test.
-const metricsSites = "http://metrics.test:{HTTP} {\n\tmetrics\n}\n\nhttp://app.test:{HTTP} {\n\tsluice\n}\n"
+const metricsSites = "http://metrics.test:{HTTP} {\n\tmetrics\n}\n\nhttp://app.test:{HTTP} {\n\tsluice {\n\t\tstream_path_prefixes /up\n\t}\n}\n"
 
 // scrapeMetrics reads the metrics handler's exposition.
 func scrapeMetrics(t testing.TB, c *caddyServer) string {
@@ -174,6 +174,22 @@ func metricsHTTPTraffic(t *testing.T, c *caddyServer, upload, download int) {
 	if toClient < float64(download) || toClient > float64(download+framing) {
 		t.Errorf("app.test to_client = %v bytes, want %d plus at most %d of framing", toClient, download, framing)
 	}
+	// Both bodies pass the 64 KiB initial window: credit was granted
+	// each way. /up is a stream by its path (stream_path_prefixes).
+	for _, dir := range []string{"sent", "received"} {
+		if v := nodeMetric(text, "sluice_tunnel_window_updates_total", "direction", dir); v < 1 {
+			t.Errorf("sluice_tunnel_window_updates_total{direction=%q} = %v after bodies past the window", dir, v)
+		}
+	}
+	if _, ok := metricSum(text, "sluice_tunnel_credit_waits_total", nil); !ok {
+		t.Error("no sluice_tunnel_credit_waits_total")
+	}
+	if _, ok := metricSum(text, "sluice_tunnel_stall_seconds", nil); !ok {
+		t.Error("no sluice_tunnel_stall_seconds")
+	}
+	testwait.Until(t, 10*time.Second, "the stream counted", func() bool {
+		return nodeMetric(scrapeMetrics(t, c), "sluice_streams_total", "class", "path_prefix", "outcome", "completed") == 1
+	})
 }
 
 // metricsTCPTraffic echoes size bytes through the TCP route and checks

@@ -155,13 +155,18 @@ type Config struct {
 	// nothing is called, at no cost.
 	OnConnEnd func(ConnEnd)
 
+	// Counters, when set, counts the session's flow-control events into
+	// it: one Counters may be shared by many sessions (a node's), so its
+	// totals outlive each. Nil: nothing is counted.
+	Counters *Counters
+
 	// Logger receives one line per notable event (a connection failed by
 	// the peer's misbehaviour, the session's end). Default zap.NewNop().
 	Logger *zap.Logger
 }
 
 // Validate fills in defaults and reports the first invalid field. Every
-// field is checked here; Progress, OnControl, OnConnEnd, DirectDial and
+// field is checked here; Progress, OnControl, OnConnEnd, Counters, DirectDial and
 // Slots are valid whether set or nil.
 func (c *Config) Validate() error {
 	if c.Role != RoleNode && c.Role != RoleAgent {

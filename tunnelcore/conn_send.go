@@ -161,11 +161,15 @@ func (c *Conn) reserve(want int) (int, error) {
 			c.mu.Unlock()
 			return int(n), nil
 		}
-		tellBlocked := c.credit == 0 && !c.blockedSent
+		noCredit := c.credit == 0
+		tellBlocked := noCredit && !c.blockedSent
 		if tellBlocked {
 			c.blockedSent = true
 		}
 		c.mu.Unlock()
+		if noCredit {
+			c.s.count(creditWaits)
+		}
 		if tellBlocked {
 			c.s.sendConnControl(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 				WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Blocked: true},

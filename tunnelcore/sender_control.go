@@ -209,6 +209,7 @@ func (q *sender) grantLocked(it ctrlItem) (env *tunnelpb.Envelope, again bool) {
 	c.grantOwed -= inc
 	again = c.grantOwed > 0
 	c.grantQueued = again
+	c.s.count(windowUpdatesSent)
 	return &tunnelpb.Envelope{Frame: &tunnelpb.Frame{Kind: &tunnelpb.Frame_WindowUpdate{
 		WindowUpdate: &tunnelpb.WindowUpdate{ConnId: c.id, Increment: uint32(inc)},
 	}}}, again

@@ -58,6 +58,9 @@ func (s *Session) dispatch(env *tunnelpb.Envelope) {
 			}
 		}
 	case *tunnelpb.Frame_WindowUpdate:
+		if k.WindowUpdate.GetIncrement() > 0 {
+			s.count(windowUpdatesReceived)
+		}
 		if c := s.lookup(k.WindowUpdate.GetConnId()); c != nil {
 			c.onWindowUpdate(k.WindowUpdate)
 		}
