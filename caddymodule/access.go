@@ -50,33 +50,25 @@ func connTransport(a *agentSession, c *tunnelcore.Conn) string {
 	return sessionTransport(a)
 }
 
-// servedBy is the transport placeholder's value: read when the access log
-// is written (a fmt.Stringer, which log_append and the replacer both
-// print), so a connection that moved to a direct socket while it carried
-// the response says so.
-type servedBy struct {
-	agent *agentSession
-	conn  atomic.Pointer[net.Conn] // the connection net/http picked (GotConn)
-}
-
-func (s *servedBy) String() string {
-	var c *tunnelcore.Conn
-	if p := s.conn.Load(); p != nil {
-		c = tunnelConn(*p)
-	}
-	return connTransport(s.agent, c)
-}
-
 // setServedBy sets the request placeholders for route e on the request's
-// replacer (caddyhttp puts one in every request's context).
-func setServedBy(req *http.Request, e *routeEntry, s *servedBy) {
+// replacer (caddyhttp puts one in every request's context). The transport
+// is the session's (grpc or lane): a pooled connection may move to a
+// direct socket after the request, so the access line of a TCP relay (and
+// sluice_direct_sockets) are where direct sockets show. The values are
+// boxed once, when the session and route are admitted: nothing here
+// allocates.
+func setServedBy(req *http.Request, e *routeEntry) {
 	repl, ok := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if !ok {
 		return
 	}
-	repl.Set(placeholderAgent, e.agent.agentID)
-	repl.Set(placeholderRoute, routeName(e.route))
-	repl.Set(placeholderTransport, s)
+	repl.Set(placeholderAgent, e.agent.idValue)
+	repl.Set(placeholderRoute, e.nameValue)
+	if e.agent.lane {
+		repl.Set(placeholderTransport, transportLane)
+	} else {
+		repl.Set(placeholderTransport, transportGRPC)
+	}
 }
 
 // tunnelConn returns the virtual connection under nc (a *tls.Conn to an

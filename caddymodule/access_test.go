@@ -51,26 +51,26 @@ func TestTCPAccessOutcomeOfIdleAndOpen(t *testing.T) {
 }
 
 // TestSetServedByPlaceholders: the request's replacer names the agent,
-// route and transport; the transport is read when printed.
+// route and the session's transport, without allocating.
 func TestSetServedByPlaceholders(t *testing.T) {
 	repl := caddy.NewReplacer()
 	req := httptest.NewRequest("GET", "http://app.test/", nil)
 	req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
-	e := &routeEntry{agent: &agentSession{agentID: "agent-a"}, route: &tunnelpb.Route{Host: "app.test"}}
-	s := &servedBy{agent: e.agent}
-	setServedBy(req, e, s)
+	e := &routeEntry{agent: &agentSession{agentID: "agent-a", idValue: "agent-a", lane: true},
+		route: &tunnelpb.Route{Host: "app.test"}, nameValue: "app.test"}
+	setServedBy(req, e)
 	for k, want := range map[string]string{
-		placeholderAgent: "agent-a", placeholderRoute: "app.test", placeholderTransport: sessionTransport(e.agent),
+		placeholderAgent: "agent-a", placeholderRoute: "app.test", placeholderTransport: transportLane,
 	} {
 		if got, _ := repl.GetString(k); got != want {
 			t.Errorf("{%s} = %q, want %q", k, got, want)
 		}
 	}
-	if got := repl.ReplaceAll("{http.sluice.transport}", ""); got == "" {
-		t.Error("{http.sluice.transport} replaced with nothing")
+	if n := testing.AllocsPerRun(100, func() { setServedBy(req, e) }); n != 0 {
+		t.Errorf("setServedBy allocates %v times per request", n)
 	}
 	// A request without a replacer (not through caddyhttp) is left alone.
-	setServedBy(httptest.NewRequest("GET", "/", nil), e, s)
+	setServedBy(httptest.NewRequest("GET", "/", nil), e)
 }
 
 func TestTunnelConnUnwraps(t *testing.T) {

@@ -204,7 +204,7 @@ func (h *handshake) stillAdmissible() error {
 func (h *handshake) negotiate() error {
 	n, adv := h.n, h.op.adv
 	a := &agentSession{agentID: adv.GetAgentId(), remote: h.remote, build: adv.GetBuild(), connected: time.Now(), token: h.token,
-		lane: h.op.lane != nil}
+		lane: h.op.lane != nil, idValue: adv.GetAgentId()}
 	frames := tunnelcore.GRPCStream(h.stream, h.cancel)
 	progress := h.progress
 	if h.op.lane != nil {

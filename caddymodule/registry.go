@@ -39,6 +39,7 @@ type agentSession struct {
 	routes    []*routeEntry
 	token     string // the token it authenticated with (a reload that changes the token ends it)
 	lane      bool   // its frames run on the data lane the agent attached, not the gRPC stream
+	idValue   any    // agentID, boxed once for the request placeholders (setServedBy)
 
 	// advertised is the agent's last Advertise, re-admitted when a reload
 	// changes the port options. Guarded by node.admitMu.
@@ -76,6 +77,9 @@ type routeEntry struct {
 	pattern *hostMatcher   // compiled host_pattern, nil otherwise
 	allowed []netip.Prefix // allowed_cidrs; empty allows every client
 	dial    string         // host part of the dial address
+	// nameValue is the route's name, boxed once for the request
+	// placeholders (setServedBy).
+	nameValue any
 }
 
 // allows reports whether a client address (host:port or host) may use the
@@ -208,7 +212,7 @@ func validateRoutes(routes []*tunnelpb.Route) (ok []*routeEntry, rejected []*tun
 			continue
 		}
 		seen[name] = true
-		e := &routeEntry{route: rt}
+		e := &routeEntry{route: rt, nameValue: name}
 		if h := rt.GetHost(); h != "" && !hostname.ValidRoute(h) {
 			reject(fmt.Sprintf("host: %q is not a lower-case host name or IP address of at most %d bytes", h, hostname.MaxLength))
 			continue

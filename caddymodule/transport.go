@@ -257,11 +257,13 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if e == nil {
 		return t.HTTPTransport.RoundTrip(req)
 	}
-	served := &servedBy{agent: e.agent}
-	setServedBy(req, e, served)
-	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
-		GotConn: func(info httptrace.GotConnInfo) { served.conn.Store(&info.Conn) },
-	}))
+	setServedBy(req, e)
+	var conn atomic.Pointer[net.Conn] // the connection of an upgrade request
+	if req.Header.Get("Upgrade") != "" {
+		req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+			GotConn: func(info httptrace.GotConnInfo) { conn.Store(&info.Conn) },
+		}))
+	}
 	if h := e.route.GetRewriteHost(); h != "" {
 		req.Host = h
 	}
@@ -296,7 +298,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		// request is in flight; its body must stay the connection
 		// (reverse_proxy asserts io.ReadWriteCloser).
 		if err == nil {
-			markUpgraded(served.conn.Load())
+			markUpgraded(conn.Load())
 		}
 		t.requestDone(e.agent)
 		return res, err
