@@ -41,6 +41,8 @@ func (n *node) connEnded(a *agentSession, e tunnelcore.ConnEnd) {
 	}
 	t.fromAgent.Add(e.Read)
 	t.toAgent.Add(e.Written)
+	a.endedToClients.Add(e.Read)
+	a.endedFromClients.Add(e.Written)
 	n.metrics.connEnded(e)
 	if ce := n.log().Check(zap.DebugLevel, "tunnel connection ended"); ce != nil {
 		ce.Write(zap.String("agent", a.agentID), zap.String("route", e.Info.RouteKey), zap.String("kind", connKind(e.Info)),

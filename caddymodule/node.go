@@ -83,6 +83,7 @@ type node struct {
 	serveMu    sync.Mutex
 	serveState serveState
 	listener   net.Listener  // set when serving
+	started    time.Time     // when it started serving
 	serveDone  chan struct{} // closed when the gRPC server stopped serving
 }
 
@@ -213,6 +214,7 @@ func (n *node) serve(listen func() (net.Listener, error)) error {
 		return err
 	}
 	n.listener, n.serveState, n.serveDone = ln, serveServing, make(chan struct{})
+	n.started = time.Now().UTC()
 	n.id = ln.Addr().String()
 	n.guard.Listener = ln
 	go func() {
@@ -222,6 +224,13 @@ func (n *node) serve(listen func() (net.Listener, error)) error {
 		}
 	}()
 	return nil
+}
+
+// servingSince returns when the node started serving; zero before.
+func (n *node) servingSince() time.Time {
+	n.serveMu.Lock()
+	defer n.serveMu.Unlock()
+	return n.started
 }
 
 // stopServing stops the gRPC server (closing the listener and every

@@ -40,6 +40,9 @@ type agentSession struct {
 	token     string // the token it authenticated with (a reload that changes the token ends it)
 	lane      bool   // its frames run on the data lane the agent attached, not the gRPC stream
 	idValue   any    // agentID, boxed once for the request placeholders (setServedBy)
+	// endedToClients and endedFromClients are the payload bytes of the
+	// session's connections that ended (node.connEnded).
+	endedToClients, endedFromClients atomic.Int64
 
 	// advertised is the agent's last Advertise, re-admitted when a reload
 	// changes the port options. Guarded by node.admitMu.
