@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
+	"github.com/sluice-tunnel/sluice/internal/hostname"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -135,7 +136,7 @@ func (n *node) logTCPAccess(x *tcpAccess, err error) {
 		return
 	}
 	fields := []zap.Field{
-		zap.String("client", x.client), zap.String("route", x.route), zap.String("server_name", x.serverName),
+		zap.String("client", x.client), zap.String("route", x.route), zap.String("server_name", truncate(x.serverName, hostname.MaxLength)),
 		zap.String("agent", agentID(x.agent)), zap.String("transport", x.transport()),
 		zap.Int64("bytes_from_client", x.fromClient), zap.Int64("bytes_to_client", x.toClient),
 		zap.Duration("duration", time.Since(x.start)), zap.String("outcome", x.outcomeOf(err)),

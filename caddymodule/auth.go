@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
 	"strings"
@@ -53,29 +54,37 @@ func (n *node) tapAuthenticate(ctx context.Context, info *tap.Info) (context.Con
 	return context.WithValue(ctx, tokenKey{}, token), nil
 }
 
-// checkToken returns the node's token when header carries it.
+// checkToken returns the node's token when header carries it as a bearer
+// token. The digests are compared, not the tokens: ConstantTimeCompare
+// returns at once on a length mismatch, which would tell a guesser the
+// token's length.
 func (n *node) checkToken(header metadata.MD) (string, bool) {
 	var got string
 	if v := header.Get("authorization"); len(v) > 0 {
 		got, _ = strings.CutPrefix(v[0], "Bearer ")
+		if len(got) == len(v[0]) {
+			got = "" // no Bearer scheme
+		}
 	}
 	want := n.token.Load()
-	if want == nil || *want == "" || got == "" ||
-		subtle.ConstantTimeCompare([]byte(got), []byte(*want)) != 1 {
+	if want == nil || *want == "" || got == "" {
+		return "", false
+	}
+	gotSum, wantSum := sha256.Sum256([]byte(got)), sha256.Sum256([]byte(*want))
+	if subtle.ConstantTimeCompare(gotSum[:], wantSum[:]) != 1 {
 		return "", false
 	}
 	return *want, true
 }
 
-// authFailed counts a refused credential and closes its connection at its
-// maxAuthFailuresPerConn-th.
+// authFailed counts a refused credential and, at its
+// maxAuthFailuresPerConn-th, closes its connection if that has not
+// authenticated: a connection that has (an agent's, or a proxy's that
+// carries several clients' streams) keeps its sessions, and only the
+// stream is refused.
 func (n *node) authFailed(ctx context.Context, conn *guardedConn) {
 	total := n.authFailures.Add(1)
-	closed := false
-	if conn != nil && conn.authFailures.Add(1) >= maxAuthFailuresPerConn {
-		conn.Close()
-		closed = true
-	}
+	closed := conn != nil && conn.authFailures.Add(1) >= maxAuthFailuresPerConn && conn.closeIfPending()
 	remote := "unknown"
 	if p, ok := peer.FromContext(ctx); ok {
 		remote = p.Addr.String()

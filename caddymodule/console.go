@@ -55,9 +55,9 @@ func (Console) CaddyModule() caddy.ModuleInfo {
 
 // Provision finds the node of the config's sluice app.
 func (c *Console) Provision(ctx caddy.Context) error {
-	app, err := sluiceApp(ctx)
+	app, err := configuredSluiceApp(ctx, "sluice_console")
 	if err != nil {
-		return fmt.Errorf("sluice_console: %w", err)
+		return err
 	}
 	c.node = app.node
 	return nil

@@ -340,6 +340,21 @@ func (c *guardedConn) prove() bool {
 	return false
 }
 
+// closeIfPending closes c if it has not authenticated, and reports whether
+// it did.
+func (c *guardedConn) closeIfPending() bool {
+	g := c.g
+	g.mu.Lock()
+	if c.state != connPending {
+		g.mu.Unlock()
+		return false
+	}
+	g.unlinkLocked(c, connClosed)
+	g.mu.Unlock()
+	c.Conn.Close()
+	return true
+}
+
 // Close implements net.Conn.
 func (c *guardedConn) Close() error {
 	c.g.mu.Lock()

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/sluice-tunnel/sluice/internal/testwait"
@@ -258,4 +259,51 @@ func (a fakeAddr) String() string  { return string(a) }
 func isReset(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && !op.Timeout()
+}
+
+// TestWrongTokensDoNotCloseAnAuthenticatedConnection: on a connection that
+// carries an authenticated stream (an agent's, or a proxy's shared by many
+// clients), streams with wrong tokens are refused one by one and the
+// connection, with its session, stays.
+func TestWrongTokensDoNotCloseAnAuthenticatedConnection(t *testing.T) {
+	n := testNode(t)
+	tok := "secret"
+	n.token.Store(&tok)
+	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 16, advertiseTimeout: time.Minute, drainGrace: time.Second})
+	cc := controlClient(t, n)
+	st, err := connectStream(t, cc, "secret")
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, 5*time.Second, "the agent's stream authorized", func() bool { return n.pending.count() == 1 })
+	for i := range 2 * maxAuthFailuresPerConn {
+		s, err := connectStream(t, cc, "wrong")
+		if err == nil {
+			_, err = s.Recv()
+		}
+		if status.Code(err) != codes.Unauthenticated {
+			t.Fatalf("wrong token %d on the agent's connection: %v, want Unauthenticated", i, err)
+		}
+	}
+	if err := st.Send(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Advertise{Advertise: &tunnelpb.Advertise{
+		AgentId: "agent-a", InitialWindow: tunnelcore.InitialWindow, Routes: []*tunnelpb.Route{{Host: "app.test"}},
+	}}}); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := st.Recv(); err != nil || f.GetAdvertiseAck() == nil {
+		t.Fatalf("the agent's stream after wrong tokens beside it: %v %v", f, err)
+	}
+}
+
+// TestTokenNeedsTheBearerScheme: the token alone, without "Bearer ", is
+// refused.
+func TestTokenNeedsTheBearerScheme(t *testing.T) {
+	n := testNode(t)
+	tok := "secret"
+	n.token.Store(&tok)
+	for header, want := range map[string]bool{"Bearer secret": true, "secret": false, "Bearer secre": false, "Bearer secrets": false, "Basic secret": false} {
+		if _, ok := n.checkToken(metadata.Pairs("authorization", header)); ok != want {
+			t.Errorf("authorization %q accepted %v, want %v", header, ok, want)
+		}
+	}
 }

@@ -56,12 +56,24 @@ func (h *Health) Provision(ctx caddy.Context) error {
 	if h.Check == "" {
 		h.Check = checkReady
 	}
-	app, err := sluiceApp(ctx)
+	app, err := configuredSluiceApp(ctx, "sluice_health")
 	if err != nil {
 		return err
 	}
 	h.node = app.node
 	return nil
+}
+
+// configuredSluiceApp returns the config's sluice app for a handler that
+// only looks at it (a probe, the console), and an error naming who when
+// the config has none: loading one would start a control plane nobody
+// configured.
+func configuredSluiceApp(ctx caddy.Context, who string) (*App, error) {
+	appAny, err := ctx.AppIfConfigured("sluice")
+	if err != nil {
+		return nil, fmt.Errorf("%s: needs the sluice app (a global `sluice` block): %w", who, err)
+	}
+	return appAny.(*App), nil
 }
 
 // Validate refuses an unknown check.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
@@ -182,14 +183,15 @@ func (c *nodeCounters) countStream(class, outcome string) {
 }
 
 // route returns the counters of the route named name: one map lookup once
-// the route was seen.
+// the route was seen. Names longer than an advertised route name may be
+// are no route's: they join otherRoute.
 func (c *nodeCounters) route(name string) *routeCounters {
 	if v, ok := c.routes.Load(name); ok {
 		return v.(*routeCounters)
 	}
 	// A name that is no valid label value (not UTF-8) joins otherRoute
 	// too: mending it could make it another route's label.
-	if name == otherRoute || !utf8.ValidString(name) {
+	if name == otherRoute || len(name) > tunnelpb.MaxRouteNameLength || !utf8.ValidString(name) {
 		return &c.other
 	}
 	if c.routeCount.Add(1) > maxRouteLabels {
@@ -394,6 +396,9 @@ func tallySessions(n *node) sessionTally {
 		t.stalled = max(t.stalled, a.sess.SendBlockedFor(now))
 		t.buffered += a.sess.Stats().Buffered
 		for _, c := range a.sess.Conns() {
+			if !c.OpenedHere() {
+				continue // an agent's, refused at once: its key is the agent's word, not a route
+			}
 			t.active[c.Info().RouteKey]++
 			if c.Direct() {
 				t.direct++
@@ -412,7 +417,9 @@ func (m *metricsCollector) collectSessions(e emitter, n *node) {
 	e.gauge(m.sessionsBuildUnknown, float64(t.buildUnknown))
 	e.gauge(m.directSockets, float64(t.direct))
 	e.gauge(m.buffered, float64(t.buffered))
-	// By label, as routes past maxRouteLabels share one.
+	// By label, as routes past maxRouteLabels share one. The names are
+	// those of admitted routes: tallySessions counts only the
+	// connections the node opened, whose keys it set itself.
 	byLabel := make(map[string]int, len(t.active))
 	for name, open := range t.active {
 		byLabel[n.metrics.labelOf(n.metrics.route(name))] += open

@@ -232,6 +232,10 @@ func (c *Conn) Info() ConnectInfo { return c.info }
 // Session returns the session the connection belongs to.
 func (c *Conn) Session() *Session { return c.s }
 
+// OpenedHere reports whether this end opened c (Session.Open), not the
+// peer.
+func (c *Conn) OpenedHere() bool { return c.openedHere() }
+
 // openedHere reports whether this end opened c (Session.Open): each end
 // opens ids of its own parity.
 func (c *Conn) openedHere() bool {
