@@ -125,8 +125,10 @@ type App struct {
 	// or direct socket with a valid ticket or key. Such a connection must
 	// send its first byte within 2 s and authenticate within 10 s. A new
 	// connection that finds the pending connections at a limit evicts the
-	// oldest of them (a silent one first) rather than being refused, so
-	// connections held open without the token cannot keep agents out.
+	// oldest of them (a silent one first) rather than being refused; at
+	// this node-wide limit, the oldest of the site (/24, /48) holding the
+	// most. So connections held open, or churned from a few sites, without
+	// the token cannot keep agents out.
 	// Default 256.
 	MaxPendingStreams int `json:"max_pending_streams,omitempty"`
 

@@ -48,6 +48,7 @@ type connGuard struct {
 	count    int
 	byAddr   map[netip.Addr]int
 	byPrefix map[netip.Prefix]int
+	bySite   map[netip.Prefix]int // /24 (IPv4), /48 (IPv6); the zero prefix: peers without an IP
 }
 
 // guardTiming holds the guard's deadlines (shorter in tests).
@@ -74,7 +75,7 @@ const prefixPerAddress = 4
 func newConnGuard(n *node) *connGuard {
 	g := &connGuard{
 		n: n, log: logthrottle.New(10*time.Second, 5),
-		byAddr: map[netip.Addr]int{}, byPrefix: map[netip.Prefix]int{},
+		byAddr: map[netip.Addr]int{}, byPrefix: map[netip.Prefix]int{}, bySite: map[netip.Prefix]int{},
 	}
 	t := defaultGuardTiming
 	g.timing.Store(&t)
@@ -94,7 +95,7 @@ func (g *connGuard) Accept() (net.Conn, error) {
 // every count that c would take past its limit.
 func (g *connGuard) admit(c net.Conn) *guardedConn {
 	gc := &guardedConn{Conn: c, g: g, accepted: time.Now(), state: connPending}
-	gc.addr, gc.prefix, gc.hasAddr = networkOf(c.RemoteAddr())
+	gc.addr, gc.prefix, gc.site, gc.hasAddr = networkOf(c.RemoteAddr())
 	opts := g.n.opts.Load()
 	g.mu.Lock()
 	evicted := g.makeRoomLocked(gc, opts)
@@ -112,7 +113,10 @@ func (g *connGuard) admit(c net.Conn) *guardedConn {
 
 // makeRoomLocked unlinks the pending connections to evict so that gc fits
 // within the limits: first within its address, then its network, then the
-// node. Callers hold g.mu and close what it returns.
+// node, where the victim comes from the site (/24, /48) that holds the
+// most pending connections: a flood that churns connections from a few
+// sites to push an agent's out evicts its own. Callers hold g.mu and
+// close what it returns.
 func (g *connGuard) makeRoomLocked(gc *guardedConn, opts *nodeOptions) []*guardedConn {
 	var out []*guardedConn
 	evictWhile := func(full func() bool, same func(*guardedConn) bool) {
@@ -133,9 +137,27 @@ func (g *connGuard) makeRoomLocked(gc *guardedConn, opts *nodeOptions) []*guarde
 			func(o *guardedConn) bool { return o.hasAddr && o.prefix == gc.prefix })
 	}
 	if opts.maxPending > 0 {
-		evictWhile(func() bool { return g.count >= opts.maxPending }, func(*guardedConn) bool { return true })
+		for g.count >= opts.maxPending {
+			site := g.busiestSiteLocked()
+			evictWhile(func() bool { return g.count >= opts.maxPending && g.busiestSiteLocked() == site },
+				func(o *guardedConn) bool { return o.site == site })
+		}
 	}
 	return out
+}
+
+// busiestSiteLocked returns the site holding the most pending connections
+// (of several, the smallest prefix, so the choice does not depend on map
+// order). Callers hold g.mu, with at least one connection pending.
+func (g *connGuard) busiestSiteLocked() netip.Prefix {
+	var best netip.Prefix
+	most := 0
+	for site, n := range g.bySite {
+		if n > most || (n == most && site.Addr().Less(best.Addr())) {
+			best, most = site, n
+		}
+	}
+	return best
 }
 
 // oldestLocked returns the oldest pending connection for which match
@@ -165,6 +187,7 @@ func (g *connGuard) linkLocked(c *guardedConn) {
 	}
 	g.newest = c
 	g.count++
+	g.bySite[c.site]++
 	if c.hasAddr {
 		g.byAddr[c.addr]++
 		g.byPrefix[c.prefix]++
@@ -185,6 +208,7 @@ func (g *connGuard) unlinkLocked(c *guardedConn, state connState) {
 	}
 	c.prev, c.next = nil, nil
 	g.count--
+	decrement(g.bySite, c.site)
 	if c.hasAddr {
 		decrement(g.byAddr, c.addr)
 		decrement(g.byPrefix, c.prefix)
@@ -208,27 +232,30 @@ func (g *connGuard) pendingCount() int {
 
 func (g *connGuard) logEvicted(c *guardedConn, n int, opts *nodeOptions) {
 	if ok, suppressed := g.log.Allow(); ok {
-		g.n.log().Warn("control connections evicted: too many connections have not authenticated; the oldest made room for a new one",
+		g.n.log().Warn("control connections evicted: too many connections have not authenticated; the oldest of the busiest address, network or site made room for a new one",
 			zap.Stringer("remote", c.RemoteAddr()), zap.Int("evicted", n),
 			zap.Int("max_pending_streams", opts.maxPending), zap.Int("max_pending_streams_per_address", opts.maxPendingPerAddr),
 			zap.Int("suppressed_since_last", suppressed))
 	}
 }
 
-// networkOf returns the address of an IP peer and the network counted
-// with it (/24, /64); ok is false for other peers (unix sockets).
-func networkOf(a net.Addr) (addr netip.Addr, prefix netip.Prefix, ok bool) {
+// networkOf returns the address of an IP peer, the network counted with
+// it (/24 for IPv4, /64 for IPv6: what one host may own) and its site (/24,
+// /48: what one customer is routed); ok is false for other peers (unix
+// sockets), whose site is the zero prefix.
+func networkOf(a net.Addr) (addr netip.Addr, prefix, site netip.Prefix, ok bool) {
 	ap, err := netip.ParseAddrPort(a.String())
 	if err != nil {
-		return netip.Addr{}, netip.Prefix{}, false
+		return netip.Addr{}, netip.Prefix{}, netip.Prefix{}, false
 	}
 	addr = ap.Addr().Unmap().WithZone("")
-	bits := 64
+	netBits, siteBits := 64, 48
 	if addr.Is4() {
-		bits = 24
+		netBits, siteBits = 24, 24
 	}
-	prefix, _ = addr.Prefix(bits)
-	return addr, prefix, true
+	prefix, _ = addr.Prefix(netBits)
+	site, _ = addr.Prefix(siteBits)
+	return addr, prefix, site, true
 }
 
 // connState is where an accepted control connection is in its life.
@@ -249,6 +276,7 @@ type guardedConn struct {
 	accepted time.Time
 	addr     netip.Addr
 	prefix   netip.Prefix
+	site     netip.Prefix
 	hasAddr  bool // addr and prefix are set (an IP peer)
 
 	// spoke is set once the peer sent its first byte.

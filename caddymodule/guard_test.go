@@ -307,3 +307,46 @@ func TestTokenNeedsTheBearerScheme(t *testing.T) {
 		}
 	}
 }
+
+// TestGuardEvictsFromTheBusiestSite: when the node's pending pool is full,
+// the connection evicted comes from the site (/24, /48) holding the most
+// pending connections, not the oldest overall: an agent's connection,
+// older than a flood from one site, stays.
+func TestGuardEvictsFromTheBusiestSite(t *testing.T) {
+	n := testNode(t)
+	n.opts.Store(&nodeOptions{maxPending: 8, maxPendingPerAddr: 100})
+	g := n.guard
+	admit := func(addr string) *guardedConn {
+		t.Helper()
+		a, b := net.Pipe()
+		t.Cleanup(func() { a.Close(); b.Close() })
+		gc := g.admit(addrConn{Conn: a, remote: fakeAddr(addr)})
+		t.Cleanup(func() { gc.Close() })
+		return gc
+	}
+	agent := admit("192.0.2.1:4000")
+	var flood []*guardedConn
+	for i := range 7 {
+		flood = append(flood, admit(fmt.Sprintf("198.51.100.%d:1000", i+1)))
+	}
+	for i := range 20 {
+		flood = append(flood, admit(fmt.Sprintf("198.51.100.%d:2000", i+10)))
+	}
+	if agent.state != connPending {
+		t.Fatalf("the agent's connection is %v after a flood from one /24, want pending", agent.state)
+	}
+	if got := g.pendingCount(); got != 8 {
+		t.Fatalf("%d pending, want max_pending_streams (8)", got)
+	}
+	if flood[0].state != connEvicted {
+		t.Fatalf("the flood's oldest is %v, want evicted", flood[0].state)
+	}
+	// IPv6: a /48 is one site, however many /64s it spreads over.
+	v6agent := admit("[2001:db8:1::1]:1")
+	for i := range 20 {
+		admit(fmt.Sprintf("[2001:db8:2:%x::1]:1", i))
+	}
+	if v6agent.state != connPending {
+		t.Fatalf("an agent's IPv6 connection is %v after a flood from another /48, want pending", v6agent.state)
+	}
+}
