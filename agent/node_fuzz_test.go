@@ -197,16 +197,9 @@ func (n *misbehavingNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tu
 
 // behave runs a session as a node does: Advertise in, AdvertiseAck out.
 func (n *misbehavingNode) behave(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) error {
-	if err := st.SendHeader(metadata.MD{}); err != nil {
+	adv, err := awaitAdvertise(st)
+	if err != nil {
 		return err
-	}
-	env := &tunnelpb.Envelope{}
-	if err := st.RecvMsg(env); err != nil {
-		return err
-	}
-	adv := env.Frame.GetAdvertise()
-	if adv == nil {
-		return status.Error(codes.InvalidArgument, "first frame is not Advertise")
 	}
 	ack := acceptAll(adv)
 	ack.NodeId = goodNodeID

@@ -131,18 +131,9 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 		n.authFailed.Add(1)
 		return status.Error(codes.Unauthenticated, "invalid token")
 	}
-	// A node sends its response header before it reads the Advertise
-	// (proto/README §2.4); this one offers no data lane.
-	if err := st.SendHeader(metadata.MD{}); err != nil {
+	adv, err := awaitAdvertise(st)
+	if err != nil {
 		return err
-	}
-	env := &tunnelpb.Envelope{}
-	if err := st.RecvMsg(env); err != nil {
-		return err
-	}
-	adv := env.Frame.GetAdvertise()
-	if adv == nil {
-		return status.Error(codes.InvalidArgument, "first frame is not Advertise")
 	}
 	ctx, cancel := context.WithCancel(st.Context())
 	defer cancel()
@@ -151,7 +142,7 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 	advN.Store(1)
 	var sess *tunnelcore.Session
 	ready := make(chan struct{})
-	sess, err := tunnelcore.NewSession(tunnelcore.GRPCStream(st, cancel), tunnelcore.Config{
+	sess, err = tunnelcore.NewSession(tunnelcore.GRPCStream(st, cancel), tunnelcore.Config{
 		Role:       tunnelcore.RoleNode,
 		PeerWindow: adv.GetInitialWindow(),
 		OnControl: func(f *tunnelpb.Frame) {
@@ -335,4 +326,22 @@ func peerError(t testing.TB, c net.Conn) *tunnelcore.PeerError {
 		}
 		return pe
 	}
+}
+
+// awaitAdvertise answers a Connect stream as a node does before the
+// Advertise: its response header (proto/README §2.4; no data lane
+// offered), then the first frame, which must be the Advertise.
+func awaitAdvertise(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]) (*tunnelpb.Advertise, error) {
+	if err := st.SendHeader(metadata.MD{}); err != nil {
+		return nil, err
+	}
+	env := &tunnelpb.Envelope{}
+	if err := st.RecvMsg(env); err != nil {
+		return nil, err
+	}
+	adv := env.Frame.GetAdvertise()
+	if adv == nil {
+		return nil, status.Error(codes.InvalidArgument, "first frame is not Advertise")
+	}
+	return adv, nil
 }

@@ -173,14 +173,7 @@ func TestGuardCountsNetworks(t *testing.T) {
 	n := testNode(t)
 	n.opts.Store(&nodeOptions{maxPending: 1000, maxPendingPerAddr: 2})
 	g := n.guard
-	admit := func(addr string) *guardedConn {
-		t.Helper()
-		a, b := net.Pipe()
-		t.Cleanup(func() { a.Close(); b.Close() })
-		gc := g.admit(addrConn{Conn: a, remote: fakeAddr(addr)})
-		t.Cleanup(func() { gc.Close() })
-		return gc
-	}
+	admit := func(addr string) *guardedConn { return admitFrom(t, g, addr) }
 	other := admit("[2001:db8:1::1]:1000")
 	var first []*guardedConn
 	for i := range prefixPerAddress * 2 {
@@ -241,6 +234,17 @@ func TestGuardOnUnixSocket(t *testing.T) {
 		defer c.Close()
 	}
 	testwait.Until(t, 5*time.Second, "three pending at once", func() bool { return g.pendingCount() == 3 })
+}
+
+// admitFrom admits a pipe whose peer has address addr into g, closed when
+// the test ends.
+func admitFrom(t *testing.T, g *connGuard, addr string) *guardedConn {
+	t.Helper()
+	a, b := net.Pipe()
+	t.Cleanup(func() { a.Close(); b.Close() })
+	gc := g.admit(addrConn{Conn: a, remote: fakeAddr(addr)})
+	t.Cleanup(func() { gc.Close() })
+	return gc
 }
 
 // addrConn is a connection with the remote address a test gives it.
@@ -316,14 +320,7 @@ func TestGuardEvictsFromTheBusiestSite(t *testing.T) {
 	n := testNode(t)
 	n.opts.Store(&nodeOptions{maxPending: 8, maxPendingPerAddr: 100})
 	g := n.guard
-	admit := func(addr string) *guardedConn {
-		t.Helper()
-		a, b := net.Pipe()
-		t.Cleanup(func() { a.Close(); b.Close() })
-		gc := g.admit(addrConn{Conn: a, remote: fakeAddr(addr)})
-		t.Cleanup(func() { gc.Close() })
-		return gc
-	}
+	admit := func(addr string) *guardedConn { return admitFrom(t, g, addr) }
 	agent := admit("192.0.2.1:4000")
 	var flood []*guardedConn
 	for i := range 7 {

@@ -119,7 +119,7 @@ type NodeStats struct {
 	PendingStreams int   // authenticated agent streams that have not advertised yet
 	PendingConns   int   // control connections that have not authenticated yet
 	AuthFailures   int64 // streams refused for a wrong or missing token
-	// Of the virtual connections that ended (HTTP and TCP): how many, how
+	// Of the virtual connections the node opened that ended (HTTP and TCP): how many, how
 	// many did not close cleanly, and the bytes they carried each way.
 	ConnectionsEnded  int64
 	ConnectionsFailed int64
@@ -133,6 +133,7 @@ func Stats() []NodeStats {
 	var out []NodeStats
 	nodePool.Range(func(_, v any) bool {
 		n := v.(*node)
+		c := n.metrics.totals()
 		st := NodeStats{
 			Listen:         n.addr,
 			BudgetInUse:    n.budget.InUse(),
@@ -145,10 +146,10 @@ func Stats() []NodeStats {
 			PendingConns:   n.guard.pendingCount(),
 			AuthFailures:   n.authFailures.Load(),
 
-			ConnectionsEnded:  n.conns.ended.Load(),
-			ConnectionsFailed: n.conns.failed.Load(),
-			BytesToClients:    n.conns.fromAgent.Load(),
-			BytesFromClients:  n.conns.toAgent.Load(),
+			ConnectionsEnded:  c.ended,
+			ConnectionsFailed: c.failed,
+			BytesToClients:    c.toClients,
+			BytesFromClients:  c.fromClients,
 			Draining:          n.draining.Load(),
 		}
 		for _, a := range n.reg.sessions() {

@@ -215,18 +215,38 @@ func (c *nodeCounters) connEnded(e tunnelcore.ConnEnd) {
 	r := c.route(e.Info.RouteKey)
 	r.toAgent.Add(e.Written)
 	r.toClient.Add(e.Read)
-	kind := 2
-	if h, ok := e.Info.Tag.(*httpConn); ok {
-		kind = 0
-		if h.upgraded.Load() {
-			kind = 1
-		}
-	}
+	kind := connKindOf(e.Info)
 	out := int(e.Outcome)
 	if out < 0 || out >= numOutcomes {
 		out = int(tunnelcore.ConnFailed)
 	}
 	r.ends[kind][out].Add(1)
+}
+
+// connTotals sums the routes' counters: the connections the node opened
+// that ended, those of them not closed cleanly, and their bytes each way.
+type connTotals struct{ ended, failed, toClients, fromClients int64 }
+
+// totals adds up every route's counters (a read of up to maxRouteLabels
+// routes, for status snapshots, never on the data path).
+func (c *nodeCounters) totals() connTotals {
+	var t connTotals
+	add := func(r *routeCounters) {
+		t.toClients += r.toClient.Load()
+		t.fromClients += r.toAgent.Load()
+		for k := range r.ends {
+			for o := range r.ends[k] {
+				v := r.ends[k][o].Load()
+				t.ended += v
+				if tunnelcore.ConnOutcome(o) != tunnelcore.ConnClosed {
+					t.failed += v
+				}
+			}
+		}
+	}
+	c.routes.Range(func(_, v any) bool { add(v.(*routeCounters)); return true })
+	add(&c.other)
+	return t
 }
 
 // labelOf is the route label of r.

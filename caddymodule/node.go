@@ -52,7 +52,6 @@ type node struct {
 	authLog        *logthrottle.Throttle // credentials refused
 	accessLog      *logthrottle.Throttle // TCP access lines (logTCPAccess): 100 a second
 	authFailures   atomic.Int64          // streams refused for their credential
-	conns          connTotals            // virtual connections that ended (connEnded)
 	metrics        nodeCounters          // the counters the metrics report (metrics.go)
 	draining       atomic.Bool
 	drainCtx       context.Context // cancelled when the node starts draining

@@ -198,14 +198,15 @@ func (n *node) limitsStatus() LimitsStatus {
 }
 
 func (n *node) totals() TotalsStatus {
+	c := n.metrics.totals()
 	return TotalsStatus{
 		Refused:           n.refused.Load(),
 		AwaitingAgent:     n.awaitingAgent.Load(),
 		AuthFailures:      n.authFailures.Load(),
-		ConnectionsEnded:  n.conns.ended.Load(),
-		ConnectionsFailed: n.conns.failed.Load(),
-		BytesToClients:    n.conns.fromAgent.Load(),
-		BytesFromClients:  n.conns.toAgent.Load(),
+		ConnectionsEnded:  c.ended,
+		ConnectionsFailed: c.failed,
+		BytesToClients:    c.toClients,
+		BytesFromClients:  c.fromClients,
 	}
 }
 

@@ -9,7 +9,6 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -233,22 +232,14 @@ func TestSluiceHealthHandlerOnASite(t *testing.T) {
 func TestAdminAPIReadyDownWhileExiting(t *testing.T) {
 	caddyBin := caddyBinary(t)
 	adminPort, httpPort, controlPort := freePort(t), freePort(t), freePort(t)
-	dir := t.TempDir()
-	caddyfile := filepath.Join(dir, "Caddyfile")
-	os.WriteFile(caddyfile, []byte(fmt.Sprintf(`{
-	admin 127.0.0.1:%d
-	persist_config off
+	caddyfile := writeCaddyfile(t, fmt.Sprintf(`	admin 127.0.0.1:%d
 	auto_https off
-	storage file_system %s
 	shutdown_delay 5s
 	sluice {
 		listen 127.0.0.1:%d
 		token %s
 		drain_grace 1s
-	}
-}
-
-http://:%d {
+	}`, adminPort, controlPort, testToken), fmt.Sprintf(`http://:%d {
 	bind 127.0.0.1
 	handle /healthz/ready {
 		sluice_health
@@ -256,8 +247,7 @@ http://:%d {
 	handle {
 		sluice
 	}
-}
-`, adminPort, filepath.Join(dir, "data"), controlPort, testToken, httpPort)), 0o644)
+}`, httpPort))
 	cmd, _ := launchProcess(t, caddyBin, "run", "--config", caddyfile, "--adapter", "caddyfile")
 	adminURL := fmt.Sprintf("http://127.0.0.1:%d", adminPort)
 	probeURL := fmt.Sprintf("http://127.0.0.1:%d/healthz/ready", httpPort)

@@ -58,6 +58,21 @@ func startProcess(t *testing.T, name string, args ...string) *bytes.Buffer {
 	return out
 }
 
+// writeCaddyfile writes a Caddyfile for the binary into a temporary
+// directory and returns its path: the global options given (admin, sluice
+// ...), with no persisted config and storage in that directory, then the
+// sites.
+func writeCaddyfile(t *testing.T, global, sites string) string {
+	t.Helper()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "Caddyfile")
+	text := fmt.Sprintf("{\n\tpersist_config off\n\tstorage file_system %s\n%s\n}\n\n%s\n", filepath.Join(dir, "data"), global, sites)
+	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
 // launchProcess is startProcess that also returns the command.
 func launchProcess(t *testing.T, name string, args ...string) (*exec.Cmd, *bytes.Buffer) {
 	t.Helper()
@@ -100,24 +115,15 @@ func TestXcaddyBinarySmoke(t *testing.T) {
 	}
 
 	httpPort, controlPort := freePort(t), freePort(t)
-	dir := t.TempDir()
-	caddyfile := filepath.Join(dir, "Caddyfile")
-	os.WriteFile(caddyfile, []byte(fmt.Sprintf(`{
-	admin off
-	persist_config off
+	caddyfile := writeCaddyfile(t, fmt.Sprintf(`	admin off
 	auto_https off
-	storage file_system %s
 	sluice {
 		listen 127.0.0.1:%d
 		token smoke-token
-	}
-}
-
-http://:%d {
+	}`, controlPort), fmt.Sprintf(`http://:%d {
 	bind 127.0.0.1
 	sluice
-}
-`, filepath.Join(dir, "data"), controlPort, httpPort)), 0o644)
+}`, httpPort))
 	startProcess(t, caddyBin, "run", "--config", caddyfile, "--adapter", "caddyfile")
 	up := startUpstream(t, "smoke")
 	startProcess(t, buildAgent(t), "-server", fmt.Sprintf("grpc://127.0.0.1:%d", controlPort),
@@ -160,22 +166,11 @@ func TestValidateTakesNoAgentConnection(t *testing.T) {
 	c := startCaddy(t, "")
 	control := fmt.Sprintf("127.0.0.1:%d", c.controlPort)
 	spare := freePort(t)
-	dir := t.TempDir()
-	caddyfile := filepath.Join(dir, "Caddyfile")
-	os.WriteFile(caddyfile, []byte(fmt.Sprintf(`{
-	admin off
-	persist_config off
-	storage file_system %s
+	caddyfile := writeCaddyfile(t, fmt.Sprintf(`	admin off
 	sluice {
 		listen %s
 		token %s
-	}
-}
-
-http://127.0.0.1:%d {
-	sluice
-}
-`, filepath.Join(dir, "data"), control, testToken, spare)), 0o644)
+	}`, control, testToken), fmt.Sprintf("http://127.0.0.1:%d {\n\tsluice\n}", spare))
 
 	// Agents' connections, each new, each asking ListNodes with the token,
 	// for as long as the validations run.

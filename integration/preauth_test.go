@@ -44,18 +44,11 @@ import (
 func TestPreauthStreamsCostNoMessageMemory(t *testing.T) {
 	caddyBin := caddyBinary(t)
 	controlPort := freePort(t)
-	dir := t.TempDir()
-	caddyfile := filepath.Join(dir, "Caddyfile")
-	os.WriteFile(caddyfile, []byte(fmt.Sprintf(`{
-	admin off
-	persist_config off
-	storage file_system %s
+	caddyfile := writeCaddyfile(t, fmt.Sprintf(`	admin off
 	sluice {
 		listen 127.0.0.1:%d
 		token preauth-token
-	}
-}
-`, filepath.Join(dir, "data"), controlPort)), 0o644)
+	}`, controlPort), "")
 	cmd, _ := launchProcess(t, caddyBin, "run", "--config", caddyfile, "--adapter", "caddyfile")
 	control := fmt.Sprintf("127.0.0.1:%d", controlPort)
 	eventually(t, 20*time.Second, "the control port listening", func() bool {
