@@ -102,7 +102,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{9, 0}
+	return file_tunnel_proto_rawDescGZIP(), []int{10, 0}
 }
 
 // Frame is the unit of the Connect stream. Connection frames (connect, data,
@@ -536,7 +536,14 @@ type AdvertiseAck struct {
 	// Build of the node, e.g. "sluice-node v0.1.0 (go1.26)", as Advertise's
 	// build names the agent's. Informational: agents log it and show it in
 	// their status; empty from nodes older than this field.
-	Build         string `protobuf:"bytes,5,opt,name=build,proto3" json:"build,omitempty"`
+	Build string `protobuf:"bytes,5,opt,name=build,proto3" json:"build,omitempty"`
+	// Routes of this session that an agent of another credential serves
+	// too (their credentials' scopes overlap). The node sends a fresh ack
+	// whenever the list changes; empty when nothing overlaps.
+	Overlaps []*RouteOverlap `protobuf:"bytes,6,rep,name=overlaps,proto3" json:"overlaps,omitempty"`
+	// The credential the session authenticated with ("" for the node's
+	// unscoped token).
+	Credential    string `protobuf:"bytes,7,opt,name=credential,proto3" json:"credential,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -606,6 +613,92 @@ func (x *AdvertiseAck) GetBuild() string {
 	return ""
 }
 
+func (x *AdvertiseAck) GetOverlaps() []*RouteOverlap {
+	if x != nil {
+		return x.Overlaps
+	}
+	return nil
+}
+
+func (x *AdvertiseAck) GetCredential() string {
+	if x != nil {
+		return x.Credential
+	}
+	return ""
+}
+
+// RouteOverlap is one route the session shares with an agent of another
+// credential. Routing orders the agents serving a route by agent id (then
+// credential name), so with lb_policy first only the first serves:
+// shadowed says this session's route is not it.
+type RouteOverlap struct {
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	Name            string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	OtherCredential string                 `protobuf:"bytes,2,opt,name=other_credential,json=otherCredential,proto3" json:"other_credential,omitempty"`
+	OtherAgentId    string                 `protobuf:"bytes,3,opt,name=other_agent_id,json=otherAgentId,proto3" json:"other_agent_id,omitempty"`
+	Shadowed        bool                   `protobuf:"varint,4,opt,name=shadowed,proto3" json:"shadowed,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *RouteOverlap) Reset() {
+	*x = RouteOverlap{}
+	mi := &file_tunnel_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RouteOverlap) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RouteOverlap) ProtoMessage() {}
+
+func (x *RouteOverlap) ProtoReflect() protoreflect.Message {
+	mi := &file_tunnel_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RouteOverlap.ProtoReflect.Descriptor instead.
+func (*RouteOverlap) Descriptor() ([]byte, []int) {
+	return file_tunnel_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *RouteOverlap) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *RouteOverlap) GetOtherCredential() string {
+	if x != nil {
+		return x.OtherCredential
+	}
+	return ""
+}
+
+func (x *RouteOverlap) GetOtherAgentId() string {
+	if x != nil {
+		return x.OtherAgentId
+	}
+	return ""
+}
+
+func (x *RouteOverlap) GetShadowed() bool {
+	if x != nil {
+		return x.Shadowed
+	}
+	return false
+}
+
 type RouteKey struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -615,7 +708,7 @@ type RouteKey struct {
 
 func (x *RouteKey) Reset() {
 	*x = RouteKey{}
-	mi := &file_tunnel_proto_msgTypes[4]
+	mi := &file_tunnel_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -627,7 +720,7 @@ func (x *RouteKey) String() string {
 func (*RouteKey) ProtoMessage() {}
 
 func (x *RouteKey) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[4]
+	mi := &file_tunnel_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -640,7 +733,7 @@ func (x *RouteKey) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteKey.ProtoReflect.Descriptor instead.
 func (*RouteKey) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{4}
+	return file_tunnel_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RouteKey) GetName() string {
@@ -661,7 +754,7 @@ type RejectedRoute struct {
 
 func (x *RejectedRoute) Reset() {
 	*x = RejectedRoute{}
-	mi := &file_tunnel_proto_msgTypes[5]
+	mi := &file_tunnel_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -673,7 +766,7 @@ func (x *RejectedRoute) String() string {
 func (*RejectedRoute) ProtoMessage() {}
 
 func (x *RejectedRoute) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[5]
+	mi := &file_tunnel_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -686,7 +779,7 @@ func (x *RejectedRoute) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RejectedRoute.ProtoReflect.Descriptor instead.
 func (*RejectedRoute) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{5}
+	return file_tunnel_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RejectedRoute) GetName() string {
@@ -732,7 +825,7 @@ type Connect struct {
 
 func (x *Connect) Reset() {
 	*x = Connect{}
-	mi := &file_tunnel_proto_msgTypes[6]
+	mi := &file_tunnel_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -744,7 +837,7 @@ func (x *Connect) String() string {
 func (*Connect) ProtoMessage() {}
 
 func (x *Connect) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[6]
+	mi := &file_tunnel_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -757,7 +850,7 @@ func (x *Connect) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Connect.ProtoReflect.Descriptor instead.
 func (*Connect) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{6}
+	return file_tunnel_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Connect) GetConnId() uint64 {
@@ -814,7 +907,7 @@ type Data struct {
 
 func (x *Data) Reset() {
 	*x = Data{}
-	mi := &file_tunnel_proto_msgTypes[7]
+	mi := &file_tunnel_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -826,7 +919,7 @@ func (x *Data) String() string {
 func (*Data) ProtoMessage() {}
 
 func (x *Data) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[7]
+	mi := &file_tunnel_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -839,7 +932,7 @@ func (x *Data) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Data.ProtoReflect.Descriptor instead.
 func (*Data) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{7}
+	return file_tunnel_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Data) GetConnId() uint64 {
@@ -870,7 +963,7 @@ type Close struct {
 
 func (x *Close) Reset() {
 	*x = Close{}
-	mi := &file_tunnel_proto_msgTypes[8]
+	mi := &file_tunnel_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -882,7 +975,7 @@ func (x *Close) String() string {
 func (*Close) ProtoMessage() {}
 
 func (x *Close) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[8]
+	mi := &file_tunnel_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -895,7 +988,7 @@ func (x *Close) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Close.ProtoReflect.Descriptor instead.
 func (*Close) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{8}
+	return file_tunnel_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Close) GetConnId() uint64 {
@@ -925,7 +1018,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_tunnel_proto_msgTypes[9]
+	mi := &file_tunnel_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -937,7 +1030,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[9]
+	mi := &file_tunnel_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -950,7 +1043,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{9}
+	return file_tunnel_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Error) GetConnId() uint64 {
@@ -993,7 +1086,7 @@ type WindowUpdate struct {
 
 func (x *WindowUpdate) Reset() {
 	*x = WindowUpdate{}
-	mi := &file_tunnel_proto_msgTypes[10]
+	mi := &file_tunnel_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1005,7 +1098,7 @@ func (x *WindowUpdate) String() string {
 func (*WindowUpdate) ProtoMessage() {}
 
 func (x *WindowUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[10]
+	mi := &file_tunnel_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1018,7 +1111,7 @@ func (x *WindowUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WindowUpdate.ProtoReflect.Descriptor instead.
 func (*WindowUpdate) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{10}
+	return file_tunnel_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *WindowUpdate) GetConnId() uint64 {
@@ -1066,7 +1159,7 @@ type MembershipUpdate struct {
 
 func (x *MembershipUpdate) Reset() {
 	*x = MembershipUpdate{}
-	mi := &file_tunnel_proto_msgTypes[11]
+	mi := &file_tunnel_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1078,7 +1171,7 @@ func (x *MembershipUpdate) String() string {
 func (*MembershipUpdate) ProtoMessage() {}
 
 func (x *MembershipUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[11]
+	mi := &file_tunnel_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1091,7 +1184,7 @@ func (x *MembershipUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MembershipUpdate.ProtoReflect.Descriptor instead.
 func (*MembershipUpdate) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{11}
+	return file_tunnel_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *MembershipUpdate) GetNodes() []*Node {
@@ -1116,7 +1209,7 @@ type Drain struct {
 
 func (x *Drain) Reset() {
 	*x = Drain{}
-	mi := &file_tunnel_proto_msgTypes[12]
+	mi := &file_tunnel_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1128,7 +1221,7 @@ func (x *Drain) String() string {
 func (*Drain) ProtoMessage() {}
 
 func (x *Drain) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[12]
+	mi := &file_tunnel_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1141,7 +1234,7 @@ func (x *Drain) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Drain.ProtoReflect.Descriptor instead.
 func (*Drain) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{12}
+	return file_tunnel_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Drain) GetGraceMs() uint32 {
@@ -1166,7 +1259,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_tunnel_proto_msgTypes[13]
+	mi := &file_tunnel_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1178,7 +1271,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[13]
+	mi := &file_tunnel_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1191,7 +1284,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{13}
+	return file_tunnel_proto_rawDescGZIP(), []int{14}
 }
 
 type NodeList struct {
@@ -1203,7 +1296,7 @@ type NodeList struct {
 
 func (x *NodeList) Reset() {
 	*x = NodeList{}
-	mi := &file_tunnel_proto_msgTypes[14]
+	mi := &file_tunnel_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1215,7 +1308,7 @@ func (x *NodeList) String() string {
 func (*NodeList) ProtoMessage() {}
 
 func (x *NodeList) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[14]
+	mi := &file_tunnel_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1228,7 +1321,7 @@ func (x *NodeList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeList.ProtoReflect.Descriptor instead.
 func (*NodeList) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{14}
+	return file_tunnel_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *NodeList) GetNodes() []*Node {
@@ -1250,7 +1343,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_tunnel_proto_msgTypes[15]
+	mi := &file_tunnel_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1262,7 +1355,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_tunnel_proto_msgTypes[15]
+	mi := &file_tunnel_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1275,7 +1368,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_tunnel_proto_rawDescGZIP(), []int{15}
+	return file_tunnel_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Node) GetId() string {
@@ -1327,13 +1420,22 @@ const file_tunnel_proto_rawDesc = "" +
 	"\x18verbatim_idle_timeout_ms\x18\t \x01(\rR\x15verbatimIdleTimeoutMs\x12\x12\n" +
 	"\x04name\x18\n" +
 	" \x01(\tR\x04name\x12%\n" +
-	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\"\xd9\x01\n" +
+	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\"\xb5\x02\n" +
 	"\fAdvertiseAck\x126\n" +
 	"\baccepted\x18\x01 \x03(\v2\x1a.sluice.tunnel.v1.RouteKeyR\baccepted\x12;\n" +
 	"\brejected\x18\x02 \x03(\v2\x1f.sluice.tunnel.v1.RejectedRouteR\brejected\x12\x17\n" +
 	"\anode_id\x18\x03 \x01(\tR\x06nodeId\x12%\n" +
 	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\x12\x14\n" +
-	"\x05build\x18\x05 \x01(\tR\x05build\"\x1e\n" +
+	"\x05build\x18\x05 \x01(\tR\x05build\x12:\n" +
+	"\boverlaps\x18\x06 \x03(\v2\x1e.sluice.tunnel.v1.RouteOverlapR\boverlaps\x12\x1e\n" +
+	"\n" +
+	"credential\x18\a \x01(\tR\n" +
+	"credential\"\x8f\x01\n" +
+	"\fRouteOverlap\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12)\n" +
+	"\x10other_credential\x18\x02 \x01(\tR\x0fotherCredential\x12$\n" +
+	"\x0eother_agent_id\x18\x03 \x01(\tR\fotherAgentId\x12\x1a\n" +
+	"\bshadowed\x18\x04 \x01(\bR\bshadowed\"\x1e\n" +
 	"\bRouteKey\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\\\n" +
 	"\rRejectedRoute\x12\x12\n" +
@@ -1406,51 +1508,53 @@ func file_tunnel_proto_rawDescGZIP() []byte {
 }
 
 var file_tunnel_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_tunnel_proto_goTypes = []any{
 	(Error_Code)(0),          // 0: sluice.tunnel.v1.Error.Code
 	(*Frame)(nil),            // 1: sluice.tunnel.v1.Frame
 	(*Advertise)(nil),        // 2: sluice.tunnel.v1.Advertise
 	(*Route)(nil),            // 3: sluice.tunnel.v1.Route
 	(*AdvertiseAck)(nil),     // 4: sluice.tunnel.v1.AdvertiseAck
-	(*RouteKey)(nil),         // 5: sluice.tunnel.v1.RouteKey
-	(*RejectedRoute)(nil),    // 6: sluice.tunnel.v1.RejectedRoute
-	(*Connect)(nil),          // 7: sluice.tunnel.v1.Connect
-	(*Data)(nil),             // 8: sluice.tunnel.v1.Data
-	(*Close)(nil),            // 9: sluice.tunnel.v1.Close
-	(*Error)(nil),            // 10: sluice.tunnel.v1.Error
-	(*WindowUpdate)(nil),     // 11: sluice.tunnel.v1.WindowUpdate
-	(*MembershipUpdate)(nil), // 12: sluice.tunnel.v1.MembershipUpdate
-	(*Drain)(nil),            // 13: sluice.tunnel.v1.Drain
-	(*ListNodesRequest)(nil), // 14: sluice.tunnel.v1.ListNodesRequest
-	(*NodeList)(nil),         // 15: sluice.tunnel.v1.NodeList
-	(*Node)(nil),             // 16: sluice.tunnel.v1.Node
+	(*RouteOverlap)(nil),     // 5: sluice.tunnel.v1.RouteOverlap
+	(*RouteKey)(nil),         // 6: sluice.tunnel.v1.RouteKey
+	(*RejectedRoute)(nil),    // 7: sluice.tunnel.v1.RejectedRoute
+	(*Connect)(nil),          // 8: sluice.tunnel.v1.Connect
+	(*Data)(nil),             // 9: sluice.tunnel.v1.Data
+	(*Close)(nil),            // 10: sluice.tunnel.v1.Close
+	(*Error)(nil),            // 11: sluice.tunnel.v1.Error
+	(*WindowUpdate)(nil),     // 12: sluice.tunnel.v1.WindowUpdate
+	(*MembershipUpdate)(nil), // 13: sluice.tunnel.v1.MembershipUpdate
+	(*Drain)(nil),            // 14: sluice.tunnel.v1.Drain
+	(*ListNodesRequest)(nil), // 15: sluice.tunnel.v1.ListNodesRequest
+	(*NodeList)(nil),         // 16: sluice.tunnel.v1.NodeList
+	(*Node)(nil),             // 17: sluice.tunnel.v1.Node
 }
 var file_tunnel_proto_depIdxs = []int32{
 	2,  // 0: sluice.tunnel.v1.Frame.advertise:type_name -> sluice.tunnel.v1.Advertise
 	4,  // 1: sluice.tunnel.v1.Frame.advertise_ack:type_name -> sluice.tunnel.v1.AdvertiseAck
-	7,  // 2: sluice.tunnel.v1.Frame.connect:type_name -> sluice.tunnel.v1.Connect
-	8,  // 3: sluice.tunnel.v1.Frame.data:type_name -> sluice.tunnel.v1.Data
-	9,  // 4: sluice.tunnel.v1.Frame.close:type_name -> sluice.tunnel.v1.Close
-	10, // 5: sluice.tunnel.v1.Frame.error:type_name -> sluice.tunnel.v1.Error
-	11, // 6: sluice.tunnel.v1.Frame.window_update:type_name -> sluice.tunnel.v1.WindowUpdate
-	12, // 7: sluice.tunnel.v1.Frame.membership_update:type_name -> sluice.tunnel.v1.MembershipUpdate
-	13, // 8: sluice.tunnel.v1.Frame.drain:type_name -> sluice.tunnel.v1.Drain
+	8,  // 2: sluice.tunnel.v1.Frame.connect:type_name -> sluice.tunnel.v1.Connect
+	9,  // 3: sluice.tunnel.v1.Frame.data:type_name -> sluice.tunnel.v1.Data
+	10, // 4: sluice.tunnel.v1.Frame.close:type_name -> sluice.tunnel.v1.Close
+	11, // 5: sluice.tunnel.v1.Frame.error:type_name -> sluice.tunnel.v1.Error
+	12, // 6: sluice.tunnel.v1.Frame.window_update:type_name -> sluice.tunnel.v1.WindowUpdate
+	13, // 7: sluice.tunnel.v1.Frame.membership_update:type_name -> sluice.tunnel.v1.MembershipUpdate
+	14, // 8: sluice.tunnel.v1.Frame.drain:type_name -> sluice.tunnel.v1.Drain
 	3,  // 9: sluice.tunnel.v1.Advertise.routes:type_name -> sluice.tunnel.v1.Route
-	5,  // 10: sluice.tunnel.v1.AdvertiseAck.accepted:type_name -> sluice.tunnel.v1.RouteKey
-	6,  // 11: sluice.tunnel.v1.AdvertiseAck.rejected:type_name -> sluice.tunnel.v1.RejectedRoute
-	0,  // 12: sluice.tunnel.v1.Error.code:type_name -> sluice.tunnel.v1.Error.Code
-	16, // 13: sluice.tunnel.v1.MembershipUpdate.nodes:type_name -> sluice.tunnel.v1.Node
-	16, // 14: sluice.tunnel.v1.NodeList.nodes:type_name -> sluice.tunnel.v1.Node
-	1,  // 15: sluice.tunnel.v1.Tunnel.Connect:input_type -> sluice.tunnel.v1.Frame
-	14, // 16: sluice.tunnel.v1.Tunnel.ListNodes:input_type -> sluice.tunnel.v1.ListNodesRequest
-	1,  // 17: sluice.tunnel.v1.Tunnel.Connect:output_type -> sluice.tunnel.v1.Frame
-	15, // 18: sluice.tunnel.v1.Tunnel.ListNodes:output_type -> sluice.tunnel.v1.NodeList
-	17, // [17:19] is the sub-list for method output_type
-	15, // [15:17] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	6,  // 10: sluice.tunnel.v1.AdvertiseAck.accepted:type_name -> sluice.tunnel.v1.RouteKey
+	7,  // 11: sluice.tunnel.v1.AdvertiseAck.rejected:type_name -> sluice.tunnel.v1.RejectedRoute
+	5,  // 12: sluice.tunnel.v1.AdvertiseAck.overlaps:type_name -> sluice.tunnel.v1.RouteOverlap
+	0,  // 13: sluice.tunnel.v1.Error.code:type_name -> sluice.tunnel.v1.Error.Code
+	17, // 14: sluice.tunnel.v1.MembershipUpdate.nodes:type_name -> sluice.tunnel.v1.Node
+	17, // 15: sluice.tunnel.v1.NodeList.nodes:type_name -> sluice.tunnel.v1.Node
+	1,  // 16: sluice.tunnel.v1.Tunnel.Connect:input_type -> sluice.tunnel.v1.Frame
+	15, // 17: sluice.tunnel.v1.Tunnel.ListNodes:input_type -> sluice.tunnel.v1.ListNodesRequest
+	1,  // 18: sluice.tunnel.v1.Tunnel.Connect:output_type -> sluice.tunnel.v1.Frame
+	16, // 19: sluice.tunnel.v1.Tunnel.ListNodes:output_type -> sluice.tunnel.v1.NodeList
+	18, // [18:20] is the sub-list for method output_type
+	16, // [16:18] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_tunnel_proto_init() }
@@ -1475,7 +1579,7 @@ func file_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tunnel_proto_rawDesc), len(file_tunnel_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
