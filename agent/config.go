@@ -42,6 +42,15 @@ type Config struct {
 	Insecure bool `yaml:"insecure"`
 	// CAFile (grpcs only) is a PEM CA bundle trusted instead of the system roots.
 	CAFile string `yaml:"ca_file"`
+	// CertFile and KeyFile (grpcs only, both or neither) are the PEM client
+	// certificate and its private key that the agent presents on every TLS
+	// connection to the node (control connection, data lane, direct
+	// sockets). A node whose control plane verifies client certificates
+	// takes the agent's credential from it, so Token becomes optional. The
+	// pair is read again before each connection attempt, so a renewed
+	// certificate needs no restart.
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
 	// Token is the bearer token the agent presents. After Validate it also
 	// holds the contents of TokenFile. Printable ASCII without spaces: it
 	// travels as a gRPC metadata value ("Bearer <token>").
@@ -49,7 +58,8 @@ type Config struct {
 	// TokenFile is read by Validate, trimmed of a leading UTF-8 byte order
 	// mark and of surrounding white space, and read again by the agent
 	// before each connection attempt, so a rotated token needs no restart.
-	// Mutually exclusive with Token.
+	// Mutually exclusive with Token. One of them is required unless
+	// CertFile is set.
 	TokenFile string `yaml:"token_file"`
 	// ID is the agent id, printable ASCII without spaces (it travels as a
 	// gRPC metadata value); Validate defaults it to "agent-" and 12 random
@@ -433,6 +443,8 @@ const (
 	EnvID             = "SLUICE_ID"
 	EnvInsecure       = "SLUICE_INSECURE"
 	EnvCAFile         = "SLUICE_CA_FILE"
+	EnvCertFile       = "SLUICE_CERT_FILE"
+	EnvKeyFile        = "SLUICE_KEY_FILE"
 	EnvLogLevel       = "SLUICE_LOG_LEVEL"
 	EnvMaxConnections = "SLUICE_MAX_CONNECTIONS"
 	EnvUpstreams      = "SLUICE_UPSTREAMS"
@@ -478,6 +490,7 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 	}
 	insecure := envBool(EnvInsecure)
 	c.setServer(nonEmpty(getenv(EnvServer)), insecure, nonEmpty(getenv(EnvCAFile)))
+	c.setClientCert(nonEmpty(getenv(EnvCertFile)), nonEmpty(getenv(EnvKeyFile)))
 	if v := getenv(EnvMaxConnections); v != "" {
 		n, err := strconv.Atoi(strings.TrimSpace(v))
 		if err != nil {
@@ -544,9 +557,10 @@ func (c *Config) setToken(token, file string) {
 
 // setServer applies one configuration layer's server and its trust
 // settings, which go together as the token's do (setToken). A layer that
-// sets a grpc:// server drops the trust settings of the layers below
-// (only grpcs:// uses them); one that sets insecure, or ca_file, alone
-// replaces the other of the layers below (insecure=false keeps a ca_file).
+// sets a grpc:// server drops the trust settings and the client
+// certificate of the layers below (only grpcs:// uses them); one that
+// sets insecure, or ca_file, alone replaces the other of the layers below
+// (insecure=false keeps a ca_file).
 // What one layer sets together stays, for Validate to judge.
 // A nil argument is one the layer does not set.
 func (c *Config) setServer(server *string, insecure *bool, caFile *string) {
@@ -554,6 +568,7 @@ func (c *Config) setServer(server *string, insecure *bool, caFile *string) {
 		c.Server = *server
 		if strings.HasPrefix(strings.ToLower(strings.TrimSpace(*server)), "grpc://") {
 			c.Insecure, c.CAFile = false, ""
+			c.CertFile, c.KeyFile = "", ""
 		}
 	}
 	switch {
@@ -569,6 +584,20 @@ func (c *Config) setServer(server *string, insecure *bool, caFile *string) {
 		if *caFile != "" {
 			c.Insecure = false
 		}
+	}
+}
+
+// setClientCert applies one configuration layer's client certificate
+// settings, after its server (setServer). Each file replaces the one of
+// the layers below on its own: a renewed certificate often keeps its key,
+// and a mismatch is reported by Validate, which loads the pair. A nil
+// argument is one the layer does not set.
+func (c *Config) setClientCert(certFile, keyFile *string) {
+	if certFile != nil {
+		c.CertFile = *certFile
+	}
+	if keyFile != nil {
+		c.KeyFile = *keyFile
 	}
 }
 
@@ -620,6 +649,7 @@ func (p *problems) add(field, format string, args ...any) {
 func (c *Config) Validate() error {
 	var p problems
 	c.validateServer(&p)
+	c.validateClientCert(&p)
 	c.validateToken(&p)
 	c.validateID(&p)
 	c.validateLimits(&p)
@@ -660,7 +690,32 @@ func (c *Config) validateServer(p *problems) {
 	}
 }
 
-// validateToken reads TokenFile into Token, or checks Token.
+// validateClientCert checks that CertFile and KeyFile come together, with
+// a grpcs:// server, and that the pair loads: a typo fails at start naming
+// the field rather than at each connection attempt.
+func (c *Config) validateClientCert(p *problems) {
+	c.CertFile, c.KeyFile = strings.TrimSpace(c.CertFile), strings.TrimSpace(c.KeyFile)
+	switch {
+	case c.CertFile == "" && c.KeyFile == "":
+		return
+	case c.KeyFile == "":
+		p.add("key_file", "required with cert_file")
+		return
+	case c.CertFile == "":
+		p.add("cert_file", "required with key_file")
+		return
+	case !c.serverTLS && c.serverAddr != "":
+		p.add("cert_file", "only valid with a grpcs:// server")
+		return
+	}
+	if _, err := loadClientCert(c.CertFile, c.KeyFile); err != nil {
+		p.errs = append(p.errs, err) // names its field
+	}
+}
+
+// validateToken reads TokenFile into Token, or checks Token. Without a
+// client certificate a token is required; with one, the node takes the
+// agent's credential from the certificate.
 func (c *Config) validateToken(p *problems) {
 	c.Token = ident.TrimToken(c.Token)
 	switch {
@@ -673,8 +728,10 @@ func (c *Config) validateToken(p *problems) {
 			return
 		}
 		c.Token, c.tokenFrom, c.tokenRead = tok, c.TokenFile, tok
+	case c.Token == "" && c.CertFile == "" && c.KeyFile == "": // with one of them, its error says what is missing
+		p.add("token", "required (set token or token_file, or cert_file and key_file with a grpcs:// server)")
 	case c.Token == "":
-		p.add("token", "required (set token or token_file)")
+		// The client certificate authenticates alone.
 	default:
 		if err := ident.CheckToken(c.Token); err != nil {
 			p.add("token", "%v", err)

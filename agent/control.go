@@ -1,7 +1,10 @@
 package agent
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -116,15 +119,26 @@ func (l *latestAck) take() *tunnelpb.AdvertiseAck {
 	return ack
 }
 
-// routeState tracks which routes the node rejected, to log changes once.
+// routeState tracks which routes the node rejected, and which it reports
+// also served by agents of other credentials, to log changes once.
 type routeState struct {
-	rejected map[string]string // name -> reason
+	rejected map[string]string     // name -> reason
+	overlaps map[routeOverlap]bool // -> shadowed
 }
 
-func newRouteState() *routeState { return &routeState{rejected: map[string]string{}} }
+// routeOverlap is one route of the session that an agent of another
+// credential serves too.
+type routeOverlap struct {
+	route, otherCredential, otherAgentID string
+}
 
-// update logs the rejections of ack that are new and the routes that are
-// accepted after a rejection; it returns the accepted route names.
+func newRouteState() *routeState {
+	return &routeState{rejected: map[string]string{}, overlaps: map[routeOverlap]bool{}}
+}
+
+// update logs the rejections of ack that are new, the routes that are
+// accepted after a rejection, and the overlaps that began or ended; it
+// returns the accepted route names.
 func (r *routeState) update(log *zap.Logger, ack *tunnelpb.AdvertiseAck) []string {
 	accepted := make([]string, 0, len(ack.GetAccepted()))
 	for _, k := range ack.GetAccepted() {
@@ -143,15 +157,86 @@ func (r *routeState) update(log *zap.Logger, ack *tunnelpb.AdvertiseAck) []strin
 		if rj.GetListenPort() != 0 {
 			fields = append(fields, zap.Uint32("listen_port", rj.GetListenPort()))
 		}
+		if outOfScope(rj) {
+			fields = append(fields, zap.String("hint", "outside the scope of the agent's credential: not retried; the node admits it again if its config changes"))
+		}
 		log.Warn("route rejected by node", fields...)
 		r.rejected[rj.GetName()] = rj.GetReason()
 	}
+	r.updateOverlaps(log, ack.GetOverlaps())
 	return accepted
+}
+
+// updateOverlaps logs each overlap of the ack that is new (or whose
+// shadowed changed) at warn, each that ended at info, and nothing for the
+// others: every ack states the whole list, and the node sends a fresh
+// ack whenever it changes, so that logging all would repeat them.
+func (r *routeState) updateOverlaps(log *zap.Logger, overlaps []*tunnelpb.RouteOverlap) {
+	now := make(map[routeOverlap]bool, len(overlaps))
+	for _, o := range overlaps {
+		k := routeOverlap{route: o.GetName(), otherCredential: o.GetOtherCredential(), otherAgentID: o.GetOtherAgentId()}
+		now[k] = o.GetShadowed()
+		if shadowed, was := r.overlaps[k]; was && shadowed == o.GetShadowed() {
+			continue
+		}
+		log.Warn("route also served by an agent of another credential", k.fields(o.GetShadowed())...)
+	}
+	ended := make([]routeOverlap, 0, len(r.overlaps))
+	for k := range r.overlaps {
+		if _, still := now[k]; !still {
+			ended = append(ended, k)
+		}
+	}
+	slices.SortFunc(ended, routeOverlap.compare) // logs in a stable order
+	for _, k := range ended {
+		log.Info("route no longer served by an agent of another credential", k.fields(r.overlaps[k])...)
+	}
+	r.overlaps = now
+}
+
+func (k routeOverlap) fields(shadowed bool) []zap.Field {
+	return []zap.Field{zap.String("route", k.route), zap.String("other_credential", credentialName(k.otherCredential)),
+		zap.String("other_agent_id", k.otherAgentID), zap.Bool("shadowed", shadowed)}
+}
+
+func (k routeOverlap) compare(o routeOverlap) int {
+	return cmp.Or(cmp.Compare(k.route, o.route), cmp.Compare(k.otherCredential, o.otherCredential), cmp.Compare(k.otherAgentID, o.otherAgentID))
+}
+
+// credentialName is how logs and the status name a credential the node
+// reports: "" is the node's unscoped token, shown as the node shows it.
+func credentialName(name string) string {
+	if name == "" {
+		return unscopedCredential
+	}
+	return name
+}
+
+// unscopedCredential names the node's unscoped token in logs and status.
+const unscopedCredential = "(token)"
+
+// reasonOutOfScope starts the reason of a route the node rejects as
+// outside the scope of the agent's credential.
+const reasonOutOfScope = "out_of_scope"
+
+// outOfScope reports whether the node rejected rj as outside the scope of
+// the agent's credential.
+func outOfScope(rj *tunnelpb.RejectedRoute) bool {
+	return strings.HasPrefix(rj.GetReason(), reasonOutOfScope)
+}
+
+// retryable reports whether ack rejects a route that advertising it again
+// may get in: a listen port held by another agent or in use may free up.
+// A route outside the credential's scope stays out until the node's
+// config changes, and the node admits it again by itself on that reload.
+func retryable(ack *tunnelpb.AdvertiseAck) bool {
+	return slices.ContainsFunc(ack.GetRejected(), func(rj *tunnelpb.RejectedRoute) bool { return !outOfScope(rj) })
 }
 
 // readvertiser schedules the Advertise again after a backoff while the
 // node rejects routes (a listen port outside the node's range, held by an
-// agent with a smaller id, or in use); an ack that rejects none resets it.
+// agent with a smaller id, or in use); an ack that rejects none, or only
+// routes outside the credential's scope (retryable), resets it.
 type readvertiser struct {
 	log   *zap.Logger
 	bo    *backoff
@@ -161,6 +246,9 @@ type readvertiser struct {
 func newReadvertiser(a *Agent) *readvertiser {
 	return &readvertiser{log: a.log, bo: newBackoff(a.backoffInitial, a.backoffMax, nil)}
 }
+
+// onAck schedules the re-Advertise the node's ack calls for.
+func (r *readvertiser) onAck(ack *tunnelpb.AdvertiseAck) { r.schedule(retryable(ack)) }
 
 // schedule replaces the scheduled re-Advertise: a new one after the next
 // backoff when routes were rejected, none (and the backoff reset) when not.

@@ -27,8 +27,8 @@ func TestHelpListsEveryEnvironmentVariable(t *testing.T) {
 	}
 	list := u[i:]
 	list = list[:strings.Index(list, "\n\n")]
-	for _, env := range []string{EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile, EnvLogLevel,
-		EnvMaxConnections, EnvUpstreams, EnvTunnelBudget, EnvShutdownGrace, EnvDisableLane, EnvDisableDirect} {
+	for _, env := range []string{EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile, EnvCertFile, EnvKeyFile,
+		EnvLogLevel, EnvMaxConnections, EnvUpstreams, EnvTunnelBudget, EnvShutdownGrace, EnvDisableLane, EnvDisableDirect, EnvAdminListen} {
 		if !strings.Contains(list, env) {
 			t.Errorf("the environment list omits %s:\n%s", env, list)
 		}

@@ -97,6 +97,14 @@ func (v *flagValues) apply(c *Config, set map[string]bool) {
 		caFile = &v.caFile
 	}
 	c.setServer(server, insecure, caFile)
+	var certFile, keyFile *string
+	if set["cert-file"] {
+		certFile = &v.certFile
+	}
+	if set["key-file"] {
+		keyFile = &v.keyFile
+	}
+	c.setClientCert(certFile, keyFile)
 	if set["id"] {
 		c.ID = v.id
 	}
@@ -128,7 +136,7 @@ func (v *flagValues) apply(c *Config, set map[string]bool) {
 
 type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
-	adminListen                                            string
+	adminListen, certFile, keyFile                         string
 	insecure, version, disableLane, disableDirect          bool
 	maxConns                                               int
 	tunnelBudget                                           int64
@@ -148,6 +156,8 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.StringVar(&v.id, "id", "", "agent id; default agent-<12 random hex digits> ($"+EnvID+")")
 	fs.BoolVar(&v.insecure, "insecure", false, "grpcs: do not verify the server certificate ($"+EnvInsecure+")")
 	fs.StringVar(&v.caFile, "ca-file", "", "grpcs: PEM CA bundle `file` to trust instead of the system roots ($"+EnvCAFile+")")
+	fs.StringVar(&v.certFile, "cert-file", "", "grpcs: PEM client certificate `file` to present to the node, with -key-file; read again before each connection attempt; makes the token optional ($"+EnvCertFile+")")
+	fs.StringVar(&v.keyFile, "key-file", "", "grpcs: PEM private key `file` of -cert-file ($"+EnvKeyFile+")")
 	fs.StringVar(&v.logLevel, "log-level", "", "debug, info, warn or error; default info ($"+EnvLogLevel+")")
 	fs.IntVar(&v.maxConns, "max-connections", 0, "maximum concurrent connections; 0 = default ($"+EnvMaxConnections+")")
 	fs.Int64Var(&v.tunnelBudget, "tunnel-budget", 0, "bytes receive windows above 64 KiB may hold; 0 = derived from memory ($"+EnvTunnelBudget+")")
@@ -187,9 +197,9 @@ config file, then those of %s, then the -upstream flags.
 
 Environment:
   %s  %s  %s  %s
+  %s  %s  %s  %s  %s
   %s  %s  %s  %s
   %s  %s  %s  %s
-  %s  %s  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -207,8 +217,10 @@ Upstream spec (-upstream, %s):
   https targets are always spoken to over HTTP/1.1 (force_http1 is implied),
   so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
   through an https:// target.
-`, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID,
-		EnvInsecure, EnvCAFile, EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace, EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvAdminListen, EnvUpstreams)
+`, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile,
+		EnvID, EnvInsecure, EnvCAFile, EnvCertFile, EnvKeyFile,
+		EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace,
+		EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvAdminListen, EnvUpstreams)
 }
 
 type stringList []string

@@ -297,6 +297,7 @@ func TestParseFlagsHelp(t *testing.T) {
 			"Usage: sluice-agent", "-config", "-server", "-token-file", "-insecure", "-ca-file",
 			"-log-level", "-max-connections", "-upstream", "-id", "-shutdown-grace", EnvShutdownGrace,
 			"-disable-data-lane", EnvDisableLane, "-admin-listen", EnvAdminListen,
+			"-cert-file", EnvCertFile, "-key-file", EnvKeyFile,
 			EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile,
 			EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvUpstreams, "*=TARGET", "host=app.example.com,target=",
 			"a setting given as a flag overrides the environment", "Upstreams are combined instead",

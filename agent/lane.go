@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/net/http/httpproxy"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/peer"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -57,8 +58,10 @@ type sessionTransport struct {
 }
 
 // sessionFrames returns what the session runs on. rs is the Connect
-// stream; cancel ends it.
-func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel func(), hostport string) sessionTransport {
+// stream; cancel ends it; creds are the attempt's (attemptCredentials),
+// which the lane and the direct sockets use as the stream's connection
+// does, so that they present the same client certificate.
+func (a *Agent) sessionFrames(ctx context.Context, creds credentials.TransportCredentials, rs *recordingStream, cancel func(), hostport string) sessionTransport {
 	onGRPC := sessionTransport{frames: tunnelcore.GRPCStream(rs, cancel), progress: streamProgress(rs)}
 	if a.cfg.DisableDataLane || behindProxy(hostport) || time.Now().UnixNano() < a.laneRetryAt.Load() {
 		return onGRPC
@@ -68,7 +71,7 @@ func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel f
 		return onGRPC
 	}
 	addr := laneAddr(rs, hostport)
-	conn, err := a.dialLane(ctx, laneDialTimeout, addr, hostport, tunnelpb.LaneHello(offer.ticket))
+	conn, err := dialLane(ctx, creds, laneDialTimeout, addr, hostport, tunnelpb.LaneHello(offer.ticket))
 	if err != nil {
 		if ctx.Err() == nil {
 			a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
@@ -86,7 +89,7 @@ func (a *Agent) sessionFrames(ctx context.Context, rs *recordingStream, cancel f
 		// Bounded by tunnelcore's context (directDialTimeout, 10 s): the
 		// node may answer late and still have taken the socket.
 		t.directDial = func(ctx context.Context, id uint64) (net.Conn, error) {
-			return a.dialLane(ctx, 0, addr, hostport, tunnelpb.DirectHello(offer.directKey, id))
+			return dialLane(ctx, creds, 0, addr, hostport, tunnelpb.DirectHello(offer.directKey, id))
 		}
 	}
 	return t
@@ -160,10 +163,10 @@ func laneAddr(st grpc.ClientStream, hostport string) string {
 	return hostport
 }
 
-// dialLane opens a lane, or a direct socket, to addr with the agent's
-// transport credentials (verifying the node as hostport, as the gRPC
-// connection does) and presents hello, within timeout (0: ctx's).
-func (a *Agent) dialLane(ctx context.Context, timeout time.Duration, addr, hostport string, hello []byte) (net.Conn, error) {
+// dialLane opens a lane, or a direct socket, to addr with the session
+// attempt's transport credentials (verifying the node as hostport, as the
+// gRPC connection does) and presents hello, within timeout (0: ctx's).
+func dialLane(ctx context.Context, creds credentials.TransportCredentials, timeout time.Duration, addr, hostport string, hello []byte) (net.Conn, error) {
 	if timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, timeout)
@@ -176,7 +179,7 @@ func (a *Agent) dialLane(ctx context.Context, timeout time.Duration, addr, hostp
 	if err != nil {
 		return nil, err
 	}
-	conn, _, err := a.creds.ClientHandshake(ctx, hostport, raw)
+	conn, _, err := creds.ClientHandshake(ctx, hostport, raw)
 	if err != nil {
 		raw.Close()
 		return nil, fmt.Errorf("handshake: %w", err)

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/sluice-tunnel/sluice/internal/testwait"
@@ -57,6 +58,7 @@ type nodeSession struct {
 	sess   *tunnelcore.Session
 	adv    *tunnelpb.Advertise
 	md     metadata.MD
+	peer   *peer.Peer // the stream's: its AuthInfo tells the TLS state
 	cancel context.CancelFunc
 	// advs receives every later Advertise of the session.
 	advs chan *tunnelpb.Advertise
@@ -127,7 +129,9 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 	defer n.handlersEnd.Done()
 	n.attempts.Add(1)
 	md, _ := metadata.FromIncomingContext(st.Context())
-	if got := md.Get("authorization"); len(got) != 1 || got[0] != "Bearer "+n.token {
+	// A node without a token takes agents without one (a client
+	// certificate authenticates them).
+	if got := md.Get("authorization"); n.token == "" && len(got) != 0 || n.token != "" && (len(got) != 1 || got[0] != "Bearer "+n.token) {
 		n.authFailed.Add(1)
 		return status.Error(codes.Unauthenticated, "invalid token")
 	}
@@ -137,7 +141,8 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 	}
 	ctx, cancel := context.WithCancel(st.Context())
 	defer cancel()
-	ns := &nodeSession{adv: adv, md: md, cancel: cancel, advs: make(chan *tunnelpb.Advertise, 16), drains: make(chan *tunnelpb.Drain, 4)}
+	p, _ := peer.FromContext(st.Context())
+	ns := &nodeSession{adv: adv, md: md, peer: p, cancel: cancel, advs: make(chan *tunnelpb.Advertise, 16), drains: make(chan *tunnelpb.Drain, 4)}
 	var advN atomic.Int32
 	advN.Store(1)
 	var sess *tunnelcore.Session

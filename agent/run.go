@@ -3,12 +3,10 @@ package agent
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -20,7 +18,6 @@ import (
 	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
@@ -101,7 +98,6 @@ func WithBackoff(initial, max time.Duration) Option {
 type Agent struct {
 	cfg      *Config
 	log      *zap.Logger
-	creds    credentials.TransportCredentials
 	conn     *connector
 	sessions atomic.Int64 // sessions acknowledged so far
 	current  atomic.Pointer[tunnelcore.Session]
@@ -115,6 +111,11 @@ type Agent struct {
 	// laneRetryAt is when sessions may try the data lane again after one
 	// failed to open (unix nanoseconds; see laneRetryAfter).
 	laneRetryAt atomic.Int64
+	// nodeTLS is the TLS configuration of the connections to the node
+	// (nil for grpc://) and cert the client certificate presented on
+	// them (nil: none); attemptCredentials combines them per attempt.
+	nodeTLS *tls.Config
+	cert    *clientCert
 
 	backoffInitial, backoffMax time.Duration
 	onConnEnd                  func(ConnReport) // WithConnEnd; nil: none
@@ -172,11 +173,13 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 	for _, o := range opts {
 		o(a)
 	}
-	creds, err := transportCredentials(cfg)
-	if err != nil {
+	var err error
+	if a.nodeTLS, err = nodeTLSConfig(cfg); err != nil {
 		return nil, err
 	}
-	a.creds = creds
+	if a.cert, err = newClientCert(cfg, logger); err != nil {
+		return nil, err
+	}
 	a.conn = newConnector(cfg, lim.MaxConnections, logger)
 	a.conn.onEnd = a.connEnded
 	logLimits(logger, cfg, lim)
@@ -206,35 +209,6 @@ func logLimits(log *zap.Logger, cfg *Config, lim tunnelcore.Limits) {
 			zap.Int64("max_connections", lim.MaxConnections), zap.Int64("tunnel_budget", lim.Budget),
 			zap.Int64("memory_limit", lim.Memory), zap.Int64("bytes_per_connection", tunnelcore.ConnectionCost))
 	}
-}
-
-// transportCredentials builds the gRPC credentials for cfg.Server.
-func transportCredentials(cfg *Config) (credentials.TransportCredentials, error) {
-	useTLS, hostport := cfg.ServerAddr()
-	if !useTLS {
-		return insecure.NewCredentials(), nil
-	}
-	host, _, err := net.SplitHostPort(hostport)
-	if err != nil {
-		return nil, fmt.Errorf("server: %v", err)
-	}
-	tc := &tls.Config{
-		ServerName:         host,
-		InsecureSkipVerify: cfg.Insecure,
-		MinVersion:         tls.VersionTLS12,
-	}
-	if cfg.CAFile != "" {
-		pem, err := os.ReadFile(cfg.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("ca_file: %v", err)
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("ca_file: %s: no PEM certificate found", cfg.CAFile)
-		}
-		tc.RootCAs = pool
-	}
-	return credentials.NewTLS(tc), nil
 }
 
 // Run runs the agent with cfg until ctx is cancelled; see Agent.Run.
@@ -444,7 +418,8 @@ func displaced(err error) bool {
 // connectHint says what to check for the connection errors a wrong server
 // setting produces, whose gRPC wording names none of it: a port that is
 // Caddy's HTTP site rather than the control plane, grpc:// against TLS and
-// grpcs:// against plaintext, an untrusted certificate, nothing listening.
+// grpcs:// against plaintext, an untrusted certificate, a client
+// certificate missing or refused (TLS alerts), nothing listening.
 func connectHint(msg string, useTLS bool) string {
 	switch {
 	case strings.Contains(msg, "looked like an HTTP/1.1 header"):
@@ -458,6 +433,11 @@ func connectHint(msg string, useTLS bool) string {
 		return "the server does not speak TLS: use grpc://, or give the node's sluice block a tls certificate"
 	case useTLS && strings.Contains(msg, "certificate signed by unknown authority"):
 		return "trust the node's CA with ca_file (or, for a test, insecure: true)"
+	case useTLS && strings.Contains(msg, "remote error: tls: certificate required"):
+		return "the node requires a client certificate: set cert_file and key_file"
+	case useTLS && (strings.Contains(msg, "remote error: tls: unknown certificate authority") ||
+		strings.Contains(msg, "remote error: tls: bad certificate") || strings.Contains(msg, "remote error: tls: expired certificate")):
+		return "the node refused the client certificate (cert_file): it must be current and signed by the CA of the node's client_auth"
 	case strings.Contains(msg, "connection refused"):
 		return "nothing listens there: is Caddy running, with its sluice control plane on this address?"
 	case strings.Contains(msg, "produced zero addresses"), strings.Contains(msg, "no such host"):
@@ -537,12 +517,13 @@ func (r *recordingStream) RecvMsg(m any) error {
 	return err
 }
 
-// dialOptions are the gRPC options of the connection to the node. The
-// credentials record the socket's progress for the session's stall
-// watchdog (tunnelcore.ProgressCredentials).
-func (a *Agent) dialOptions() []grpc.DialOption {
+// dialOptions are the gRPC options of the connection to the node, with
+// the attempt's credentials (attemptCredentials), which record the
+// socket's progress for the session's stall watchdog
+// (tunnelcore.ProgressCredentials).
+func (a *Agent) dialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithTransportCredentials(tunnelcore.ProgressCredentials(a.creds)),
+		grpc.WithTransportCredentials(tunnelcore.ProgressCredentials(creds)),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})),
 		// DATA buffers come from tunnelcore's pool (not zeroed on reuse),
 		// larger socket buffers halve the syscalls per byte, and static

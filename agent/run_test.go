@@ -619,6 +619,10 @@ func TestConnectHintFitsTheError(t *testing.T) {
 		{`connection error: desc = "transport: authentication handshake failed: tls: failed to verify certificate: x509: certificate signed by unknown authority"`, true, "ca_file"},
 		{`connection error: desc = "transport: Error while dialing: dial tcp 127.0.0.1:1: connect: connection refused"`, false, "nothing listens there"},
 		{`name resolver error: produced zero addresses`, false, "does not resolve"},
+		{`connection error: desc = "error reading server preface: remote error: tls: certificate required"`, true, "set cert_file and key_file"},
+		{`connection error: desc = "error reading server preface: remote error: tls: unknown certificate authority"`, true, "refused the client certificate"},
+		{`connection error: desc = "error reading server preface: remote error: tls: expired certificate"`, true, "refused the client certificate"},
+		{`connection error: desc = "error reading server preface: remote error: tls: bad certificate"`, true, "refused the client certificate"},
 		{`rpc error: code = Unavailable desc = node draining`, false, ""},
 	} {
 		got := connectHint(tc.msg, tc.useTLS)

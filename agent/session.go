@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
@@ -46,6 +47,9 @@ type sessionAttempt struct {
 	sess           *tunnelcore.Session
 	ctl            *control
 	adv            *tunnelpb.Frame
+	// creds are the attempt's transport credentials (attemptCredentials):
+	// the gRPC connection, the data lane and the direct sockets use them.
+	creds credentials.TransportCredentials
 	// undo holds what close undoes, in the order the stages set it up.
 	undo []func()
 
@@ -100,11 +104,13 @@ func (s *sessionAttempt) handshake() (ack *tunnelpb.AdvertiseAck, failed *sessio
 	return s.awaitAck()
 }
 
-// dial makes the gRPC client connection to the node. It connects lazily:
-// a failure to connect shows on the stream.
+// dial makes the gRPC client connection to the node, with the client
+// certificate read again for this attempt. It connects lazily: a failure
+// to connect shows on the stream.
 func (s *sessionAttempt) dial() error {
 	_, s.hostport = s.a.cfg.ServerAddr()
-	cc, err := grpc.NewClient("dns:///"+s.hostport, s.a.dialOptions()...)
+	s.creds = s.a.attemptCredentials()
+	cc, err := grpc.NewClient("dns:///"+s.hostport, s.a.dialOptions(s.creds)...)
 	if err != nil {
 		return err
 	}
@@ -113,18 +119,22 @@ func (s *sessionAttempt) dial() error {
 	return nil
 }
 
-// openStream opens the Connect stream with the agent's token and id.
-// Leaving before the node acknowledged gives the attempt up at once, also
-// a dial still under way: the leave watch cancels the attempt's context.
+// openStream opens the Connect stream with the agent's token and id; an
+// agent without a token (a client certificate alone) sends no
+// authorization. Leaving before the node acknowledged gives the attempt up
+// at once, also a dial still under way: the leave watch cancels the
+// attempt's context.
 func (s *sessionAttempt) openStream() error {
 	ctx, cancel := context.WithCancel(s.runCtx)
 	s.cancel = cancel
 	s.later(cancel)
 	s.stopLeaveWatch = context.AfterFunc(s.a.leaveReq, cancel)
 	s.later(func() { s.stopLeaveWatch() })
-	s.ctx = metadata.AppendToOutgoingContext(ctx,
-		"authorization", "Bearer "+s.a.token(),
-		"x-sluice-id", s.a.cfg.ID)
+	md := []string{"x-sluice-id", s.a.cfg.ID}
+	if tok := s.a.token(); tok != "" {
+		md = append(md, "authorization", "Bearer "+tok)
+	}
+	s.ctx = metadata.AppendToOutgoingContext(ctx, md...)
 	st, err := tunnelpb.NewTunnelClient(s.cc).Connect(s.ctx)
 	if err != nil {
 		return err
@@ -136,7 +146,7 @@ func (s *sessionAttempt) openStream() error {
 // start runs the tunnelcore session on the transport the node's response
 // header offers (a data lane, direct sockets), or on the stream.
 func (s *sessionAttempt) start() error {
-	s.tr = s.a.sessionFrames(s.ctx, s.rs, s.cancel, s.hostport)
+	s.tr = s.a.sessionFrames(s.ctx, s.creds, s.rs, s.cancel, s.hostport)
 	s.ctl = newControl(s.a.log)
 	sess, err := tunnelcore.NewSession(s.tr.frames, tunnelcore.Config{
 		Role:       tunnelcore.RoleAgent,
@@ -218,7 +228,7 @@ func (s *sessionAttempt) serve(ack *tunnelpb.AdvertiseAck) (res sessionResult) {
 	defer s.acceptConns()()
 	s.readv = newReadvertiser(s.a)
 	defer s.readv.stop()
-	s.readv.schedule(len(ack.GetRejected()) > 0)
+	s.readv.onAck(ack)
 	defer s.stopDrainTimer()
 	return s.loop()
 }
@@ -230,6 +240,7 @@ func (s *sessionAttempt) announce(ack *tunnelpb.AdvertiseAck) {
 		zap.String("server", s.a.cfg.Server),
 		zap.String("node_id", ack.GetNodeId()),
 		zap.String("node_build", cmp.Or(ack.GetBuild(), "unknown (an older node)")),
+		zap.String("credential", credentialName(ack.GetCredential())),
 		zap.Strings("routes", s.routes.update(s.a.log, ack)),
 		zap.Bool("data_lane", s.tr.onLane),
 		zap.Bool("direct_sockets", s.tr.directDial != nil),
@@ -331,7 +342,7 @@ func (s *sessionAttempt) onAck() {
 	default:
 		s.routes.update(s.a.log, ack)
 		s.a.recordAck(ack)
-		s.readv.schedule(len(ack.GetRejected()) > 0)
+		s.readv.onAck(ack)
 	}
 }
 

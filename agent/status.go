@@ -49,6 +49,14 @@ type SessionStatus struct {
 	// (NodeBuild is empty from nodes older than AdvertiseAck.build).
 	NodeID    string `json:"node_id,omitempty"`
 	NodeBuild string `json:"node_build,omitempty"`
+	// Credential is the node's credential the session authenticated as,
+	// from its AdvertiseAck, while connected: "(token)" for the node's
+	// unscoped token (and from nodes older than credentials).
+	Credential string `json:"credential,omitempty"`
+	// Overlaps are the session's routes that agents of other credentials
+	// serve too, as the node's latest AdvertiseAck states them; empty
+	// when none does, or while not connected.
+	Overlaps []OverlapStatus `json:"overlaps"`
 	// Transport is data_lane or grpc_stream while connected;
 	// DirectSockets whether bulk connections may move to their own socket.
 	Transport     string `json:"transport,omitempty"`
@@ -80,6 +88,17 @@ type RouteStatus struct {
 	// Bytes relayed by the route's ended connections, each way.
 	BytesFromClient int64 `json:"bytes_from_client"`
 	BytesToClient   int64 `json:"bytes_to_client"`
+}
+
+// OverlapStatus is one route of a session that an agent of another
+// credential serves too. Shadowed: that agent comes first in the node's
+// routing order, so with lb_policy first this agent's route serves
+// nothing.
+type OverlapStatus struct {
+	Route           string `json:"route"`
+	OtherCredential string `json:"other_credential"`
+	OtherAgentID    string `json:"other_agent_id"`
+	Shadowed        bool   `json:"shadowed"`
 }
 
 // PortClaim is a listen port a route asks the node to bind.
@@ -116,6 +135,10 @@ type liveState struct {
 	draining  bool
 	lastError string
 	acks      map[string]routeAck // by route name; absent: pending
+	// credential and overlaps are the latest AdvertiseAck's, for the
+	// connected session.
+	credential string
+	overlaps   []OverlapStatus
 }
 
 // setState records a change of the connection cycle's state.
@@ -139,11 +162,11 @@ func (l *liveState) disconnected() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.nodeBuild, l.transport, l.direct, l.draining = "", "", false, false
-	l.acks = nil
+	l.acks, l.credential, l.overlaps = nil, "", nil
 }
 
 // ack records the node's word on the routes, which every AdvertiseAck
-// states whole.
+// states whole, with their overlaps and the session's credential.
 func (l *liveState) ack(ack *tunnelpb.AdvertiseAck) {
 	acks := make(map[string]routeAck, len(ack.GetAccepted())+len(ack.GetRejected()))
 	for _, k := range ack.GetAccepted() {
@@ -152,8 +175,13 @@ func (l *liveState) ack(ack *tunnelpb.AdvertiseAck) {
 	for _, r := range ack.GetRejected() {
 		acks[r.GetName()] = routeAck{state: AckRejected, reason: r.GetReason()}
 	}
+	overlaps := make([]OverlapStatus, 0, len(ack.GetOverlaps()))
+	for _, o := range ack.GetOverlaps() {
+		overlaps = append(overlaps, OverlapStatus{Route: o.GetName(), OtherCredential: credentialName(o.GetOtherCredential()),
+			OtherAgentID: o.GetOtherAgentId(), Shadowed: o.GetShadowed()})
+	}
 	l.mu.Lock()
-	l.acks = acks
+	l.acks, l.credential, l.overlaps = acks, credentialName(ack.GetCredential()), overlaps
 	l.mu.Unlock()
 }
 
@@ -243,6 +271,8 @@ func (a *Agent) sessionStatus() SessionStatus {
 	ss.State, ss.Since = a.live.state.String(), a.live.since
 	ss.NodeBuild, ss.Transport, ss.DirectSockets = a.live.nodeBuild, a.live.transport, a.live.direct
 	ss.Draining, ss.LastError = a.live.draining, a.live.lastError
+	ss.Credential = a.live.credential
+	ss.Overlaps = append([]OverlapStatus{}, a.live.overlaps...) // [] rather than null
 	return ss
 }
 
