@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -26,15 +27,22 @@ func init() {
 //	GET /sluice/lookup?host=H           which agent serves a host now (also name=N, server_name=S, port=P)
 //	GET /sluice/health                  200 while the process serves
 //	GET /sluice/ready                   200 when every node serves and none drains, else 503 and why
+//	POST /sluice/certificates           issue a client certificate for a credential (IssueRequest)
 //
-// Each takes `listen=ADDRESS` to pick one node (its control address or
-// id); default: all. The endpoints read state only: a lookup never runs a
-// load-balancing policy or moves a counter. The admin API listens on
-// localhost by default; for a load balancer's probe on a public site, use
-// the `sluice_health` handler.
+// Each GET takes `listen=ADDRESS` to pick one node (its control address or
+// id); default: all. The GET endpoints read state only: a lookup never
+// runs a load-balancing policy or moves a counter. The admin API listens
+// on localhost by default; for a load balancer's probe on a public site,
+// use the `sluice_health` handler. POST /sluice/certificates signs with
+// the client_auth CA of the running config's sluice app and returns the
+// key: whoever reaches the admin API can mint agent credentials, as they
+// can load any config already.
 type AdminAPI struct {
 	// nodes lists the nodes to report; nil: the process's (nodePool).
 	nodes func() []*node
+	// app returns the sluice app that issues certificates; nil: the
+	// running config's (runningApp).
+	app func() (*App, error)
 }
 
 // CaddyModule returns the Caddy module information.
@@ -52,6 +60,7 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/sluice/lookup", Handler: caddy.AdminHandlerFunc(a.handleLookup)},
 		{Pattern: "/sluice/health", Handler: caddy.AdminHandlerFunc(a.handleHealth)},
 		{Pattern: "/sluice/ready", Handler: caddy.AdminHandlerFunc(a.handleReady)},
+		{Pattern: "/sluice/certificates", Handler: caddy.AdminHandlerFunc(a.handleIssue)},
 	}
 }
 
@@ -263,6 +272,56 @@ func allReady(hs []NodeHealth) bool {
 		}
 	}
 	return len(hs) > 0
+}
+
+// maxIssueBody bounds the body of an issue request: three short fields.
+const maxIssueBody = 64 << 10
+
+// handleIssue is POST /sluice/certificates: it issues a client
+// certificate for a credential of the running config (IssueRequest) and
+// answers it with its key (IssuedCertificate).
+func (a *AdminAPI) handleIssue(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodPost {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; use POST", r.Method)}
+	}
+	var req IssueRequest
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxIssueBody))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("decoding the request body: %w", err)}
+	}
+	find := runningApp
+	if a.app != nil {
+		find = a.app
+	}
+	app, err := find()
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+	}
+	out, err := app.issueClientCertificate(req, time.Now())
+	if bad := (badIssue{}); errors.As(err, &bad) {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+	} else if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusInternalServerError, Err: fmt.Errorf("issuing a certificate: %w", err)}
+	}
+	return writeJSON(w, http.StatusOK, out)
+}
+
+// errNoSluiceApp is an issue request to a process whose running config has
+// no sluice app.
+var errNoSluiceApp = errors.New("the running config has no sluice app")
+
+// runningApp returns the sluice app of the running config.
+func runningApp() (*App, error) {
+	v, err := caddy.ActiveContext().AppIfConfigured("sluice")
+	if err != nil {
+		return nil, errNoSluiceApp
+	}
+	app, ok := v.(*App)
+	if !ok || app.node == nil {
+		return nil, errNoSluiceApp
+	}
+	return app, nil
 }
 
 // Interface guards

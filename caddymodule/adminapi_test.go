@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 
@@ -43,7 +44,7 @@ func adminNode(t *testing.T) (*node, *AdminAPI) {
 	t.Helper()
 	n := testNode(t)
 	tok := "secret-token-never-shown"
-	n.token.Store(&tok)
+	storeToken(t, n, tok)
 	for _, ag := range []struct {
 		id     string
 		routes []*tunnelpb.Route
@@ -61,7 +62,7 @@ func adminNode(t *testing.T) (*node, *AdminAPI) {
 	} {
 		a := register(t, n.reg, ag.id, ag.routes...)
 		a.sess, _ = testSessionPair(t)
-		a.token, a.remote, a.build = tok, "192.0.2.1:4000", "v-test"
+		a.auth, a.remote, a.build = authn{cred: n.creds.Load().byName[""]}, "192.0.2.1:4000", "v-test"
 	}
 	return n, &AdminAPI{nodes: func() []*node { return []*node{n} }}
 }
@@ -194,7 +195,15 @@ func TestAdminModuleRegistered(t *testing.T) {
 		t.Fatal(err)
 	}
 	router, ok := mi.New().(caddy.AdminRouter)
-	if !ok || len(router.Routes()) != 4 {
+	if !ok {
 		t.Fatalf("admin.api.sluice: %T", mi.New())
+	}
+	var patterns []string
+	for _, rt := range router.Routes() {
+		patterns = append(patterns, rt.Pattern)
+	}
+	want := []string{"/sluice/status", "/sluice/lookup", "/sluice/health", "/sluice/ready", "/sluice/certificates"}
+	if !slices.Equal(patterns, want) {
+		t.Fatalf("admin.api.sluice routes %v, want %v", patterns, want)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"unicode/utf8"
 
 	"go.uber.org/zap"
@@ -62,8 +61,10 @@ func cutUTF8(s string, n int) string {
 // routes. Routes it cannot take are returned as rejected, with the reason.
 func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*routeEntry) ([]*routeEntry, []*tunnelpb.RejectedRoute) {
 	entries, rejected := validateRoutes(routes)
-	entries, overBudget := n.reg.bind(a, entries, previous)
 	n.metrics.rejectRoutes(rejectInvalid, len(rejected))
+	entries, outOfScope := n.admitScoped(a, entries)
+	rejected = append(rejected, outOfScope...)
+	entries, overBudget := n.reg.bind(a, entries, previous)
 	n.metrics.rejectRoutes(rejectPatternBudget, len(overBudget))
 	rejected = append(rejected, overBudget...)
 	opts := n.opts.Load()
@@ -111,6 +112,7 @@ func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
 	n.reg.reroute(a, entries)
 	n.releasePorts(old) // after the new claims, so a re-claimed port stays bound
 	n.sendAck(a, rejected)
+	n.noticeOverlapsLocked(a, old, entries)
 }
 
 // applyPortOptions re-admits the listen-port routes when the port options
@@ -139,7 +141,7 @@ func (n *node) portOptionsChanged(rebind bool) {
 		// Largest agent id first: a port's smaller ids then join the
 		// claim as its owner, and the larger ones stay as standbys (a
 		// claim refuses a larger id only once a smaller one holds it).
-		slices.SortFunc(sessions, func(x, y *agentSession) int { return strings.Compare(y.agentID, x.agentID) })
+		slices.SortFunc(sessions, func(x, y *agentSession) int { return compareAgents(y, x) })
 	}
 	readmitted := 0
 	for _, a := range sessions {

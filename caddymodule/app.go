@@ -48,6 +48,22 @@ type App struct {
 	// ignored).
 	TokenFile string `json:"token_file,omitempty"`
 
+	// Credentials are named agent credentials, each a token or a client
+	// certificate identity with the scope of what its agents may serve.
+	// The token above is the unscoped credential beside them; with
+	// credentials or client_auth configured, none is generated.
+	Credentials []*Credential `json:"credentials,omitempty"`
+
+	// ClientAuth verifies agents' client certificates against a CA of
+	// Caddy's pki app; a certificate's identity selects its credential.
+	ClientAuth *ClientAuth `json:"client_auth,omitempty"`
+
+	// TLSInternal serves the control plane with a certificate issued by
+	// the client_auth CA (else the "local" CA) instead of certificate
+	// files, so the CA bundle `caddy sluice issue-cert` returns lets an
+	// agent verify the node too.
+	TLSInternal *InternalTLS `json:"tls_internal,omitempty"`
+
 	// TLSCertFile and TLSKeyFile serve the control plane over TLS (agents
 	// then dial grpcs://). Both or neither. A reload serves the files it
 	// names to new agent connections (a renewed certificate takes effect
@@ -170,8 +186,9 @@ type App struct {
 	// once scraped together. Default: the host name.
 	NodeID string `json:"node_id,omitempty"`
 
-	token     string
-	cert      *tls.Certificate // the control plane's certificate; nil: plaintext
+	token     string         // the unscoped token; "": none
+	creds     *credentialSet // every credential, the token's included
+	ctls      *controlTLS    // the control plane's TLS; nil: plaintext
 	portRange portRange
 	node      *node
 	listen    func() (net.Listener, error) // binds the control address (node.serve)
@@ -184,8 +201,8 @@ type App struct {
 // nodeSettings is what a config's Start hands the shared node, kept so a
 // rolled-back start can give the previous config's back.
 type nodeSettings struct {
-	token         *string
-	cert          *tls.Certificate
+	creds         *credentialSet
+	ctls          *controlTLS
 	logger        *zap.Logger
 	budget, slots int64
 	opts          *nodeOptions
@@ -235,15 +252,15 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.token = token
-	if len(token) < minTokenLength {
+	if err := a.provisionCredentials(); err != nil {
+		return err
+	}
+	if token != "" && len(token) < minTokenLength {
 		a.logger.Warn("sluice: the token is short; anyone who guesses it can serve any host through this node",
 			zap.Int("length", len(token)), zap.Int("recommended_min", minTokenLength))
 	}
 	if a.portRange, err = parsePortRange(a.TCPPortRange); err != nil {
 		return fmt.Errorf("sluice: %w", err)
-	}
-	if a.cert, err = a.loadCertificate(); err != nil {
-		return err
 	}
 	na, err := caddy.ParseNetworkAddress(a.Listen)
 	if err != nil {
@@ -259,20 +276,23 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := checkTCPBind(a.TCPBind, a.TCPPortRange); err != nil {
 		return err
 	}
+	if a.ctls, err = a.loadControlTLS(ctx, na); err != nil {
+		return err
+	}
 	// The node is shared by every config naming the address; it listens
 	// from the first Start on (listen), not here: `caddy validate`
 	// provisions a config without starting it, and must neither bind the
 	// port nor take agents' connections.
 	val, _, err := nodePool.LoadOrNew(nodeKey(na.String()), func() (caddy.Destructor, error) {
-		return newNode(na.String(), a.cert, a.logger), nil
+		return newNode(na.String(), a.ctls, a.logger), nil
 	})
 	if err != nil {
 		return err
 	}
 	a.listen = func() (net.Listener, error) { return a.listenControl(ctx, na) }
 	a.node = val.(*node) // Cleanup releases it, also when Provision fails below
-	if a.node.tls != (a.cert != nil) {
-		return fmt.Errorf("sluice: tls_cert_file: the control plane on %s is already listening %s; "+
+	if a.node.tls != (a.ctls != nil) {
+		return fmt.Errorf("sluice: tls_cert_file/tls_internal: the control plane on %s is already listening %s; "+
 			"turning TLS on or off needs a new listener (restart Caddy, or use another listen address)",
 			a.node.addr, map[bool]string{true: "with TLS", false: "in plaintext"}[a.node.tls])
 	}
@@ -352,6 +372,10 @@ func (a *App) resolveToken() (string, error) {
 			return "", fmt.Errorf("sluice: token_file: %s: %w (one line: the token)", a.TokenFile, err)
 		}
 		return t, nil
+	case len(a.Credentials) > 0 || a.ClientAuth != nil:
+		// Named credentials or certificates: an unscoped token the
+		// operator did not ask for would be the key to every host.
+		return "", nil
 	}
 	return a.generatedToken()
 }
@@ -391,8 +415,9 @@ func (a *App) listenControl(ctx caddy.Context, na caddy.NetworkAddress) (net.Lis
 	if !ok {
 		return nil, fmt.Errorf("sluice: listen: %s is not a stream address", a.Listen)
 	}
-	a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", a.cert != nil))
-	if a.cert == nil && reachableBeyondHost(ln.Addr()) {
+	a.logger.Info("sluice control plane listening", zap.String("address", ln.Addr().String()), zap.Bool("tls", a.ctls != nil),
+		zap.Bool("client_auth", a.ClientAuth != nil))
+	if a.ctls == nil && reachableBeyondHost(ln.Addr()) {
 		// Said once per listener, not per reload.
 		a.logger.Warn("the sluice control plane serves plaintext beyond loopback: agents' tokens cross the network in the clear; give the global sluice block a tls certificate (agents dial grpcs://) unless the network is trusted",
 			zap.String("address", ln.Addr().String()))
@@ -404,14 +429,15 @@ func (a *App) listenControl(ctx caddy.Context, na caddy.NetworkAddress) (net.Lis
 // serving if this is the first config that uses it.
 func (a *App) Start() error {
 	a.prev = nodeSettings{
-		token: a.node.token.Load(), cert: a.node.cert.Load(), logger: a.node.logger.Load(),
+		creds: a.node.creds.Load(), ctls: a.node.ctls.Load(), logger: a.node.logger.Load(),
 		budget: a.node.budget.Limit(), slots: a.node.slots.Limit(),
 	}
-	// Sessions that authenticated with a previous token end only once this
-	// config has taken over (the previous config's Stop): a start rolled
-	// back keeps them. New streams need this token from now on.
-	a.node.token.Store(&a.token)
-	a.node.cert.Store(a.cert)
+	// Sessions that authenticated with a previous credential end only
+	// once this config has taken over (the previous config's Stop): a
+	// start rolled back keeps them. New streams need these credentials
+	// from now on.
+	a.node.creds.Store(a.creds)
+	a.node.ctls.Store(a.ctls)
 	a.node.logger.Store(a.logger)
 	lim := tunnelcore.DeriveLimits(tunnelcore.MemoryLimit(), a.TunnelBudget, a.ConnectionMemory, a.MaxConnections)
 	a.node.budget.SetLimit(lim.Budget)
@@ -458,14 +484,14 @@ func (a *App) Stop() error {
 	}
 	if !a.node.opts.CompareAndSwap(a.applied, a.prev.opts) {
 		// A newer config took over (a normal reload): it is committed now.
-		a.node.endSessionsOfOldTokens()
+		a.node.applyCredentials()
 		return nil
 	}
-	a.node.token.Store(a.prev.token)
-	if a.prev.token != nil && *a.prev.token != a.token {
-		a.node.endSessionsWithout(*a.prev.token) // those that came with this config's token
+	a.node.creds.Store(a.prev.creds)
+	if a.prev.creds != nil {
+		a.node.endSessionsInvalidUnder(a.prev.creds) // those that came with this config's credentials
 	}
-	a.node.cert.Store(a.prev.cert)
+	a.node.ctls.Store(a.prev.ctls)
 	a.node.logger.Store(a.prev.logger)
 	a.node.budget.SetLimit(a.prev.budget)
 	a.node.slots.SetLimit(a.prev.slots)

@@ -25,9 +25,29 @@ func init() {
 //
 //	sluice {
 //	    listen            <address>        # control plane, default :8001
-//	    token             <token>
+//	    token             <token>          # the unscoped credential
 //	    token_file        <path>
 //	    tls               <cert_file> <key_file>   # serve grpcs://
+//	    tls internal [<names>...] {          # or: a certificate from the client_auth CA
+//	        lifetime <duration>              # default 7d, renewed at two thirds
+//	    }
+//
+//	    # named credentials, each with what its agents may serve (see Scope)
+//	    credential <name> {
+//	        token           <token>          # or token_file <path>
+//	        client_identity <uri-or-dns-name> # a client certificate's URI or DNS SAN
+//	        hosts           <host|*.suffix|*>...
+//	        server_names    <name|*.suffix|*>...  # TLS passthrough
+//	        services        <name|*>...       # named TCP services
+//	        ports           <lo>-<hi>         # listen ports
+//	        patterns                          # may advertise host patterns
+//	        catch_all                         # may advertise the catch-all
+//	        max_sessions    <n>
+//	    }
+//	    client_auth [<pki_ca_id>] {           # verify agents' client certificates (default CA local)
+//	        require                           # refuse connections without one
+//	        revoke <serial>...                # hex serials of revoked certificates
+//	    }
 //	    advertise_timeout <duration>
 //	    tcp_port_range    <lo>-<hi>        # ports agents may claim (listen-port routes)
 //	    tcp_bind          <host>           # where claimed ports bind (default all)
@@ -84,11 +104,11 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "token_file":
 			err = singleArg(d, &a.TokenFile)
 		case "tls":
-			args := d.RemainingArgs()
-			if len(args) != 2 {
-				return d.Errf("sluice: tls: want <cert_file> <key_file>")
-			}
-			a.TLSCertFile, a.TLSKeyFile = args[0], args[1]
+			err = a.unmarshalTLS(d)
+		case "credential":
+			err = a.unmarshalCredential(d)
+		case "client_auth":
+			err = a.unmarshalClientAuth(d)
 		case "advertise_timeout":
 			err = durationArg(d, &a.AdvertiseTimeout)
 		case "verbatim_idle_timeout":

@@ -38,7 +38,7 @@ type tunnelService struct {
 // ListNodes returns this node; a cluster's membership comes later. Its
 // caller authenticated in the tap (tapAuthenticate).
 func (s *tunnelService) ListNodes(ctx context.Context, _ *tunnelpb.ListNodesRequest) (*tunnelpb.NodeList, error) {
-	if _, err := authenticatedToken(ctx); err != nil {
+	if _, err := authenticated(ctx); err != nil {
 		return nil, err
 	}
 	return &tunnelpb.NodeList{Nodes: []*tunnelpb.Node{{Id: s.n.id}}}, nil
@@ -75,7 +75,7 @@ type handshake struct {
 	stream   grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.Frame]
 	remote   string
 	progress func() uint64 // the connection's delivered bytes, for the stall watchdog; nil: none
-	token    string        // the token the stream authenticated with
+	auth     authn         // how the stream authenticated
 	opts     *nodeOptions  // as the stream found them
 
 	op        opening // the Advertise, and the lane if the agent attached one
@@ -102,11 +102,11 @@ func (n *node) authenticated(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 		n.metrics.refuseStream(refusedDraining)
 		return nil, status.Error(codes.Unavailable, errDrainingNode.Error())
 	}
-	token, err := authenticatedToken(ctx)
+	au, err := authenticated(ctx)
 	if err != nil {
 		return nil, err
 	}
-	h.token = token
+	h.auth = au
 	h.streamCtx, h.cancel = context.WithCancel(ctx)
 	h.onRelease(h.cancel)
 	return h, nil
@@ -147,7 +147,7 @@ func (h *handshake) admit() error {
 		// closeLane).
 		h.onRelease(func() { closeLane(op.frames, h.sessionRan) })
 	}
-	releaseSession, err := n.admitSession(h.remote, op.adv.GetAgentId(), h.opts)
+	releaseSession, err := n.admitSession(h.remote, agentKey{h.auth.cred.name, op.adv.GetAgentId()}, h.auth.cred.scope, h.opts)
 	if err != nil {
 		n.logStream("agent session refused", h.remote, err)
 		return err
@@ -179,16 +179,16 @@ func (h *handshake) negotiateAndRegister() error {
 }
 
 // stillAdmissible refuses a stream that waited for its Advertise while a
-// reload changed the token (a stream whose token is no longer valid must
-// not displace the agent's current session), or while the node started
+// reload changed its credential (a stream that would no longer
+// authenticate must not displace the agent's current session), or while the node started
 // draining (drain lists the sessions to tell under admitMu: a session
 // registered after that would serve on a node going away without its
 // Drain). Callers hold admitMu.
 func (h *handshake) stillAdmissible() error {
 	n := h.n
-	if cur := n.token.Load(); cur == nil || *cur != h.token {
-		n.metrics.refuseStream(refusedTokenChanged)
-		err := status.Error(codes.Unauthenticated, "the node's token changed while the stream waited for its Advertise")
+	if !n.creds.Load().stillValid(h.auth) {
+		n.metrics.refuseStream(refusedCredentialChanged)
+		err := status.Error(codes.Unauthenticated, "the node's credentials changed while the stream waited for its Advertise")
 		n.logStream("agent rejected", h.remote, err)
 		return err
 	}
@@ -203,7 +203,7 @@ func (h *handshake) stillAdmissible() error {
 // lane it attached, else the gRPC stream. Callers hold admitMu.
 func (h *handshake) negotiate() error {
 	n, adv := h.n, h.op.adv
-	a := &agentSession{agentID: adv.GetAgentId(), remote: h.remote, build: adv.GetBuild(), connected: time.Now(), token: h.token,
+	a := &agentSession{agentID: adv.GetAgentId(), remote: h.remote, build: adv.GetBuild(), connected: time.Now(), auth: h.auth, credName: h.auth.cred.name,
 		lane: h.op.lane != nil, idValue: adv.GetAgentId()}
 	frames := tunnelcore.GRPCStream(h.stream, h.cancel)
 	progress := h.progress
@@ -249,6 +249,7 @@ func (h *handshake) negotiate() error {
 func (h *handshake) register() {
 	n, a := h.n, h.a
 	entries, rejected := n.admit(a, a.advertised, nil)
+	var oldRoutes []*routeEntry
 	if old := n.reg.register(a, entries); old != nil {
 		a.displaced = true
 		// The displaced session ends now: left open, it would hold its
@@ -256,8 +257,10 @@ func (h *handshake) register() {
 		// reusing one id could open any number of them).
 		old.sess.CloseWithError(errReplaced)
 		n.logReplaced(old, a)
+		oldRoutes = old.currentRoutes(&n.reg.mu)
 	}
 	n.sendAck(a, rejected)
+	n.noticeOverlapsLocked(a, entries, oldRoutes)
 	h.logConnected(entries, len(rejected))
 }
 
@@ -295,11 +298,11 @@ func (h *handshake) logConnected(entries []*routeEntry, rejected int) {
 // serve keeps the session until it or the stream ends.
 func (h *handshake) serve() {
 	sess := h.a.sess
-	// A reload may have changed the token since this stream's was checked
-	// (it waited for its Advertise meanwhile): the reload's sweep of old
-	// sessions ran before this one was registered.
-	if cur := h.n.token.Load(); cur == nil || *cur != h.token {
-		sess.CloseWithError(errTokenChanged)
+	// A reload may have changed the credentials since this stream's was
+	// checked (it waited for its Advertise meanwhile): the reload's sweep
+	// of old sessions ran before this one was registered.
+	if !h.n.creds.Load().stillValid(h.auth) {
+		sess.CloseWithError(errCredentialChanged)
 	}
 	go refuseAgentOpened(h.streamCtx, sess)
 	select {
@@ -320,6 +323,9 @@ func (h *handshake) unregister() error {
 	n.admitMu.Lock()
 	unregistered := n.reg.unregister(a)
 	n.releasePorts(a.currentRoutes(&n.reg.mu))
+	if unregistered {
+		n.noticeOverlapsLocked(a, a.currentRoutes(&n.reg.mu))
+	}
 	n.admitMu.Unlock()
 	if errors.Is(sess.Err(), tunnelcore.ErrStalled) {
 		n.metrics.stalls.Add(1)
@@ -338,8 +344,8 @@ func sessionStatus(agentID string, err error) error {
 	switch {
 	case errors.Is(err, errReplaced):
 		return status.Errorf(codes.Aborted, "%v (agent id %q)", errReplaced, agentID)
-	case errors.Is(err, errTokenChanged):
-		return status.Error(codes.Unauthenticated, errTokenChanged.Error())
+	case errors.Is(err, errCredentialChanged):
+		return status.Error(codes.Unauthenticated, errCredentialChanged.Error())
 	case errors.Is(err, errLeaveGraceOver):
 		return status.Error(codes.DeadlineExceeded, errLeaveGraceOver.Error())
 	}
@@ -492,16 +498,22 @@ func checkAdvertise(r recvResult) (*tunnelpb.Advertise, error) {
 }
 
 // sendAck answers an Advertise with the session's routes, or a leaving
-// session's Drain with none. Callers hold admitMu.
+// session's Drain with none, and tells which of them agents of other
+// credentials serve too. Callers hold admitMu.
 func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
 	// Build names the node to the agent, which logs it on connect.
 	ack := &tunnelpb.AdvertiseAck{NodeId: n.id, InitialWindow: tunnelcore.InitialWindow, Rejected: rejected,
-		Build: tunnelpb.Build("sluice-node", "")}
+		Build: tunnelpb.Build("sluice-node", ""), Credential: a.credName}
 	if !a.leaving.Load() {
-		for _, e := range a.routes {
+		routes := a.currentRoutes(&n.reg.mu)
+		for _, e := range routes {
 			ack.Accepted = append(ack.Accepted, &tunnelpb.RouteKey{Name: routeName(e.route)})
 		}
+		ack.Overlaps = overlapsOf(n.reg.table.Load(), a)
 	}
+	before := a.overlaps
+	a.rejected, a.overlaps = rejected, overlapsKey(ack.Overlaps)
+	n.logShadowed(a, ack.Overlaps, before)
 	a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: ack}})
 }
 
@@ -522,14 +534,17 @@ func (n *node) admitStream(remote string, opts *nodeOptions) (func(), error) {
 	return func() { relAddr(); rel() }, nil
 }
 
-// admitSession counts a session against max_sessions (and per address). An
-// agent replacing its own session, or succeeding its one leaving session
-// (registry.succeeds), is always admitted.
-func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), error) {
-	replacing := n.reg.succeeds(agentID)
-	limit, perAddr := opts.maxSessions, opts.maxSessionsPerAddr
+// admitSession counts a session against max_sessions (and per address,
+// and per credential). An agent replacing its own session, or succeeding
+// its one leaving session (registry.succeeds), is always admitted.
+func (n *node) admitSession(remote string, key agentKey, sc *scope, opts *nodeOptions) (func(), error) {
+	replacing := n.reg.succeeds(key)
+	limit, perAddr, perCred := opts.maxSessions, opts.maxSessionsPerAddr, 0
+	if sc != nil {
+		perCred = sc.maxSessions
+	}
 	if replacing {
-		limit, perAddr = 0, 0
+		limit, perAddr, perCred = 0, 0, 0
 	}
 	rel, ok := n.sessions.acquire(limit)
 	if !ok {
@@ -542,7 +557,14 @@ func (n *node) admitSession(remote, agentID string, opts *nodeOptions) (func(), 
 		n.metrics.refuseStream(refusedSessionsPerAddr)
 		return nil, status.Errorf(codes.ResourceExhausted, "%s has its maximum of %d agent sessions (max_sessions_per_address)", addrHost(remote), perAddr)
 	}
-	return func() { relAddr(); rel() }, nil
+	relCred, ok := n.sessionsByCred.acquireKey(key.credential, perCred)
+	if !ok {
+		relAddr()
+		rel()
+		n.metrics.refuseStream(refusedSessionsPerCredential)
+		return nil, status.Errorf(codes.ResourceExhausted, "credential %q has its maximum of %d agent sessions (max_sessions)", key.credential, perCred)
+	}
+	return func() { relCred(); relAddr(); rel() }, nil
 }
 
 // logStream logs a refused stream through a throttle: a flood logs a few

@@ -22,7 +22,7 @@ import (
 func TestPendingStreamEndsAtDrainStart(t *testing.T) {
 	n := testNode(t)
 	tok := "secret"
-	n.token.Store(&tok)
+	storeToken(t, n, tok)
 	opts := *n.opts.Load()
 	opts.advertiseTimeout = time.Minute
 	n.opts.Store(&opts)

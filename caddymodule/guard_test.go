@@ -32,7 +32,7 @@ import (
 func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 	n := testNode(t)
 	tok := "secret"
-	n.token.Store(&tok)
+	storeToken(t, n, tok)
 	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 3, advertiseTimeout: time.Minute, drainGrace: time.Second})
 	n.guard.timing.Store(&guardTiming{firstByte: time.Second, pending: time.Second, preface: time.Second})
 
@@ -92,7 +92,7 @@ func TestControlConnectionsWithoutTheTokenAreBounded(t *testing.T) {
 func TestWrongTokensCloseTheConnection(t *testing.T) {
 	n := testNode(t)
 	tok := "secret"
-	n.token.Store(&tok)
+	storeToken(t, n, tok)
 	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 16, advertiseTimeout: time.Minute, drainGrace: time.Second})
 	cc, err := grpc.NewClient(n.listener.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(tunnelpb.Codec{})))
@@ -272,7 +272,7 @@ func isReset(err error) bool {
 func TestWrongTokensDoNotCloseAnAuthenticatedConnection(t *testing.T) {
 	n := testNode(t)
 	tok := "secret"
-	n.token.Store(&tok)
+	storeToken(t, n, tok)
 	n.opts.Store(&nodeOptions{maxPending: 64, maxPendingPerAddr: 16, advertiseTimeout: time.Minute, drainGrace: time.Second})
 	cc := controlClient(t, n)
 	st, err := connectStream(t, cc, "secret")
@@ -304,9 +304,9 @@ func TestWrongTokensDoNotCloseAnAuthenticatedConnection(t *testing.T) {
 func TestTokenNeedsTheBearerScheme(t *testing.T) {
 	n := testNode(t)
 	tok := "secret"
-	n.token.Store(&tok)
+	storeToken(t, n, tok)
 	for header, want := range map[string]bool{"Bearer secret": true, "secret": false, "Bearer secre": false, "Bearer secrets": false, "Basic secret": false} {
-		if _, ok := n.checkToken(metadata.Pairs("authorization", header)); ok != want {
+		if _, ok := n.identify(context.Background(), metadata.Pairs("authorization", header)); ok != want {
 			t.Errorf("authorization %q accepted %v, want %v", header, ok, want)
 		}
 	}

@@ -457,7 +457,7 @@ func (x *patternIndex) lookup(host string) []*routeEntry {
 		if memo[g] == 0 {
 			memo[g] = 2 - boolByte(x.matchers[g].MatchString(host))
 		}
-		if memo[g] == 1 {
+		if memo[g] == 1 && e.inScope(host) {
 			out = append(out, e)
 			if x.first {
 				break

@@ -23,6 +23,9 @@ func (n *node) leave(a *agentSession, d *tunnelpb.Drain) {
 		n.releasePorts(a.currentRoutes(&n.reg.mu))
 	}
 	n.sendAck(a, nil)
+	if withdrawn {
+		n.noticeOverlapsLocked(a, a.currentRoutes(&n.reg.mu))
+	}
 	n.admitMu.Unlock()
 	if !withdrawn {
 		return

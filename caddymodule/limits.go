@@ -30,6 +30,11 @@ func (l *addrLimiter) acquire(addr string, limit int) (release func(), ok bool) 
 	if _, err := netip.ParseAddr(host); err != nil {
 		limit = 0
 	}
+	return l.acquireKey(host, limit)
+}
+
+// acquireKey takes one for key unless limit (> 0) is reached.
+func (l *addrLimiter) acquireKey(host string, limit int) (release func(), ok bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if limit > 0 && l.by[host] >= limit {

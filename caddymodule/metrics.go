@@ -84,12 +84,12 @@ var (
 	// streamRefusalNames: why an authenticated agent stream was refused.
 	streamRefusalNames = [...]string{
 		"max_pending_streams", "max_pending_streams_per_address", "max_sessions", "max_sessions_per_address",
-		"draining", "advertise_timeout", "invalid_advertise", "token_changed",
+		"draining", "advertise_timeout", "invalid_advertise", "credential_changed", "max_sessions_per_credential",
 	}
 	// limitReasonNames: which limit refused a client's connection or request.
 	limitReasonNames = [...]string{"max_connections", "agent_max_connections", "max_connections_per_address", "allowed_cidrs", "other"}
 	// routeRejectNames: why admission rejected an advertised route.
-	routeRejectNames = [...]string{"invalid", "pattern_budget", "port"}
+	routeRejectNames = [...]string{"invalid", "pattern_budget", "port", "out_of_scope"}
 )
 
 const numOutcomes = int(tunnelcore.ConnFailed) + 1
@@ -105,7 +105,8 @@ const (
 	refusedDraining
 	refusedAdvertiseTimeout
 	refusedInvalidAdvertise
-	refusedTokenChanged
+	refusedCredentialChanged
+	refusedSessionsPerCredential
 )
 
 // routeReject indexes routeRejectNames.
@@ -115,6 +116,7 @@ const (
 	rejectInvalid routeReject = iota
 	rejectPatternBudget
 	rejectPort
+	rejectOutOfScope
 )
 
 // limitReason maps a limit name logLimit gets to its label index; the

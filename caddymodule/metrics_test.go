@@ -160,12 +160,12 @@ func TestMetricsCountRefusals(t *testing.T) {
 		t.Fatal("second pending stream admitted past max_pending_streams 1")
 	}
 	rel()
-	relS, err := n.admitSession("192.0.2.1:1", "a", opts)
+	relS, err := n.admitSession("192.0.2.1:1", agentKey{id: "a"}, nil, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer relS()
-	if _, err := n.admitSession("192.0.2.1:1", "b", opts); err == nil {
+	if _, err := n.admitSession("192.0.2.1:1", agentKey{id: "b"}, nil, opts); err == nil {
 		t.Fatal("second session admitted past max_sessions 1")
 	}
 	n.authFailures.Add(2)

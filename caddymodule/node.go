@@ -2,7 +2,6 @@ package caddymodule
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"net"
 	"sync"
@@ -12,7 +11,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
@@ -41,12 +39,14 @@ type node struct {
 	pendingByAddr  *addrLimiter
 	sessions       counterLimiter
 	sessionsByAddr *addrLimiter
+	sessionsByCred *addrLimiter // by credential name (Scope.MaxSessions)
 	limitLog       *logthrottle.Throttle
 	streamLog      *logthrottle.Throttle
 	sessionLog     *logthrottle.Throttle // agent connected, replaced, disconnected
 	acceptLog      *logthrottle.Throttle // accept errors on agents' ports
 	agentErrLog    *logthrottle.Throttle // Error frames agents send
 	portLog        *logthrottle.Throttle // agent port routes rejected
+	scopeLog       *logthrottle.Throttle // routes out of scope, shadowed routes
 	portBindLog    *logthrottle.Throttle // agent ports bound and released
 	guard          *connGuard            // the control listener's connections that have not authenticated
 	authLog        *logthrottle.Throttle // credentials refused
@@ -61,11 +61,13 @@ type node struct {
 	id             string
 
 	logger atomic.Pointer[zap.Logger]
-	token  atomic.Pointer[string]
+	// creds are the credentials of the current config (App.Start).
+	creds atomic.Pointer[credentialSet]
 	// tls is whether the control plane serves TLS, fixed when the listener
-	// is made; cert is the certificate it serves, which a reload replaces.
+	// is made; ctls is the current config's certificate and client
+	// certificate verification, which a reload replaces (tlsConfig).
 	tls  bool
-	cert atomic.Pointer[tls.Certificate]
+	ctls atomic.Pointer[controlTLS]
 	opts atomic.Pointer[nodeOptions]
 
 	// admitMu serialises route admissions (a session's first Advertise,
@@ -120,7 +122,7 @@ type nodeOptions struct {
 type nodeKey string
 
 // newNode makes the node of a control address; serve starts it.
-func newNode(addr string, cert *tls.Certificate, logger *zap.Logger) *node {
+func newNode(addr string, ctls *controlTLS, logger *zap.Logger) *node {
 	n := &node{
 		addr:   addr,
 		reg:    newRegistry(),
@@ -130,12 +132,14 @@ func newNode(addr string, cert *tls.Certificate, logger *zap.Logger) *node {
 		clients:        newAddrLimiter(),
 		pendingByAddr:  newAddrLimiter(),
 		sessionsByAddr: newAddrLimiter(),
+		sessionsByCred: newAddrLimiter(),
 		limitLog:       logthrottle.New(10*time.Second, 5),
 		streamLog:      logthrottle.New(10*time.Second, 5),
 		sessionLog:     logthrottle.New(10*time.Second, 32),
 		acceptLog:      logthrottle.New(10*time.Second, 1),
 		agentErrLog:    logthrottle.New(10*time.Second, 5),
 		portLog:        logthrottle.New(time.Minute, 5),
+		scopeLog:       logthrottle.New(time.Minute, 10),
 		portBindLog:    logthrottle.New(10*time.Second, 64),
 		authLog:        logthrottle.New(10*time.Second, 5),
 		accessLog:      logthrottle.New(time.Second, 100),
@@ -174,17 +178,13 @@ func newNode(addr string, cert *tls.Certificate, logger *zap.Logger) *node {
 	// The credentials also record each connection's socket progress, so
 	// the stall watchdog tells a stalled agent from a slow link.
 	creds := insecure.NewCredentials()
-	if cert != nil {
+	if ctls != nil {
 		n.tls = true
-		n.cert.Store(cert)
-		// Each handshake reads the certificate the current config
-		// stored, so a reload renews it without a new listener.
-		creds = credentials.NewTLS(&tls.Config{
-			MinVersion: tls.VersionTLS12,
-			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-				return n.cert.Load(), nil
-			},
-		})
+		n.ctls.Store(ctls)
+		// Each handshake reads the TLS the current config stored, so a
+		// reload renews the certificate and changes client
+		// verification without a new listener.
+		creds = n.tlsCreds()
 	}
 	opts = append(opts, grpc.Creds(&laneCreds{
 		TransportCredentials: tunnelcore.ProgressCredentials(creds),

@@ -42,8 +42,9 @@ func parsePortRange(s string) (portRange, error) {
 }
 
 // portClaim is one port the node listens on for listen-port routes. The
-// claimant with the smallest agent id owns it; the others stand by and take
-// over when it leaves.
+// claimant first in routing order (smallest agent id, then credential
+// name: compareAgents) owns it; the others stand by and take over when it
+// leaves.
 type portClaim struct {
 	port      uint32
 	ln        net.Listener
@@ -55,7 +56,7 @@ func (c *portClaim) owner() *routeEntry {
 	// Among the same agent id (a reconnect before the old session ended)
 	// the newest claim wins, as it does for HTTP routes.
 	for _, e := range c.claimants {
-		if best == nil || e.agent.agentID <= best.agent.agentID {
+		if best == nil || compareAgents(e.agent, best.agent) <= 0 {
 			best = e
 		}
 	}
@@ -112,7 +113,7 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 		// reload of the port options) keeps its place among the
 		// claimants: a standby stays one, to take over when the owner
 		// leaves.
-		if o := c.owner(); o != nil && o.agent.agentID < e.agent.agentID && !c.claimedBy(e.agent) {
+		if o := c.owner(); o != nil && compareAgents(o.agent, e.agent) < 0 && !c.claimedBy(e.agent) {
 			return fmt.Errorf("port %d is held by agent %s", port, o.agent.agentID)
 		}
 		c.claimants = append(c.claimants, e)

@@ -112,7 +112,7 @@ func advertisePort(n *node, a *agentSession, port uint32) {
 	n.admitMu.Lock()
 	defer n.admitMu.Unlock()
 	routes := []*tunnelpb.Route{{Name: "p", ListenPort: port, Target: "tcp://127.0.0.1:9"}}
-	if n.reg.agents[a.agentID] == a {
+	if n.reg.agents[a.key()] == a {
 		n.readmitLocked(a, routes)
 		return
 	}

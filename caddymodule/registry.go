@@ -26,6 +26,21 @@ import (
 // reconnect.
 const dialSuffix = ".sluice"
 
+// agentKey names an agent on the node: its id within its credential
+// ("" for the unscoped token), so an agent of one credential never
+// displaces another's of the same id.
+type agentKey struct{ credential, id string }
+
+// compareAgents orders sessions as routing does: by agent id, then by
+// credential name. The order does not depend on when agents connected,
+// so every node of a cluster decides the same.
+func compareAgents(a, b *agentSession) int {
+	if c := strings.Compare(a.agentID, b.agentID); c != 0 {
+		return c
+	}
+	return strings.Compare(a.credName, b.credName)
+}
+
 // agentSession is one registered agent stream.
 type agentSession struct {
 	agentID   string
@@ -37,9 +52,23 @@ type agentSession struct {
 	// id at registration (guarded by node.admitMu).
 	displaced bool
 	routes    []*routeEntry
-	token     string // the token it authenticated with (a reload that changes the token ends it)
-	lane      bool   // its frames run on the data lane the agent attached, not the gRPC stream
-	idValue   any    // agentID, boxed once for the request placeholders (setServedBy)
+	// credName is its credential's name ("" for the unscoped token).
+	credName string
+	// auth is how it authenticated: a reload that makes that invalid ends
+	// it, one that changes its credential's scope re-admits its routes
+	// (node.applyCredentials). Guarded by node.admitMu, which replaces
+	// auth.cred with the reload's credential of the same name.
+	auth authn
+	// overlaps is what the last AdvertiseAck said about routes shared
+	// with other credentials' agents (overlapsKey), so an ack is sent
+	// again only when that changes. Guarded by node.admitMu.
+	overlaps string
+	// rejected is what the last AdvertiseAck rejected, sent again with a
+	// later ack that only tells of changed overlaps. Guarded by
+	// node.admitMu.
+	rejected []*tunnelpb.RejectedRoute
+	lane     bool // its frames run on the data lane the agent attached, not the gRPC stream
+	idValue  any  // agentID, boxed once for the request placeholders (setServedBy)
 	// endedToClients and endedFromClients are the payload bytes of the
 	// session's connections that ended (node.connEnded).
 	endedToClients, endedFromClients atomic.Int64
@@ -79,7 +108,10 @@ type routeEntry struct {
 	kind    route.Kind     // route.Classify's: where the table puts it
 	pattern *hostMatcher   // compiled host_pattern, nil otherwise
 	allowed []netip.Prefix // allowed_cidrs; empty allows every client
-	dial    string         // host part of the dial address
+	// within bounds what a pattern route of a scoped credential matches
+	// (scope.admitPattern); nil: unbounded.
+	within *nameSet
+	dial   string // host part of the dial address
 	// nameValue is the route's name, boxed once for the request
 	// placeholders (setServedBy).
 	nameValue any
@@ -143,6 +175,7 @@ type routeTable struct {
 	sniPatterns patternIndex
 	byPort      map[uint32][]*routeEntry // listen-port routes
 	byName      map[string][]*routeEntry // every route by name
+	bySource    map[string][]*routeEntry // pattern routes by patternKey
 
 	// load is the worst-case cost of the pattern routes of the table's
 	// sessions for one lookup (patternBudget bounds it, bind keeps it
@@ -156,10 +189,10 @@ type routeTable struct {
 	replaced chan struct{}
 }
 
-// registry holds the agent sessions of one node, by agent id.
+// registry holds the agent sessions of one node, by agent key.
 type registry struct {
 	mu     sync.Mutex
-	agents map[string]*agentSession
+	agents map[agentKey]*agentSession
 	// leaving holds the sessions whose agent is shutting down (withdraw):
 	// no longer their id's session, routing nothing new, until they end.
 	leaving map[*agentSession]struct{}
@@ -168,7 +201,7 @@ type registry struct {
 }
 
 func newRegistry() *registry {
-	r := &registry{agents: make(map[string]*agentSession), leaving: make(map[*agentSession]struct{})}
+	r := &registry{agents: make(map[agentKey]*agentSession), leaving: make(map[*agentSession]struct{})}
 	r.table.Store(buildTable(nil, nil))
 	return r
 }
@@ -318,7 +351,7 @@ func (r *registry) spendPatternBudget(a *agentSession, entries []*routeEntry) ([
 	if !slices.ContainsFunc(entries, (*routeEntry).matchesByPattern) {
 		return entries, nil
 	}
-	load, shared := r.loadWithout(a.agentID)
+	load, shared := r.loadWithout(a.key())
 	kept := make([]*routeEntry, 0, len(entries))
 	var rejected []*tunnelpb.RejectedRoute
 	for _, e := range entries {
@@ -339,13 +372,13 @@ func (r *registry) spendPatternBudget(a *agentSession, entries []*routeEntry) ([
 }
 
 // loadWithout returns the pattern load of the registered sessions but
-// agentID's, and the current table's matchers.
-func (r *registry) loadWithout(agentID string) (patternLoad, map[string]*hostMatcher) {
+// key's, and the current table's matchers.
+func (r *registry) loadWithout(key agentKey) (patternLoad, map[string]*hostMatcher) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	t := r.table.Load()
 	load := patternLoad{uses: maps.Clone(t.load.uses), total: t.load.total}
-	if cur := r.agents[agentID]; cur != nil {
+	if cur := r.agents[key]; cur != nil {
 		for _, e := range cur.routes {
 			if e.matchesByPattern() {
 				load.remove(e.pattern)
@@ -368,8 +401,8 @@ func (r *registry) register(a *agentSession, entries []*routeEntry) (replaced *a
 	r.mu.Lock()
 	a.routes = entries
 	defer r.mu.Unlock()
-	replaced = r.agents[a.agentID]
-	r.agents[a.agentID] = a
+	replaced = r.agents[a.key()]
+	r.agents[a.key()] = a
 	r.rebuildLocked()
 	return replaced
 }
@@ -385,10 +418,10 @@ func (r *registry) unregister(a *agentSession) bool {
 		r.rebuildLocked()
 		return true
 	}
-	if r.agents[a.agentID] != a {
+	if r.agents[a.key()] != a {
 		return false
 	}
-	delete(r.agents, a.agentID)
+	delete(r.agents, a.key())
 	r.rebuildLocked()
 	return true
 }
@@ -403,10 +436,10 @@ func (r *registry) unregister(a *agentSession) bool {
 func (r *registry) withdraw(a *agentSession) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.agents[a.agentID] != a {
+	if r.agents[a.key()] != a {
 		return false
 	}
-	delete(r.agents, a.agentID)
+	delete(r.agents, a.key())
 	r.leaving[a] = struct{}{}
 	a.leaving.Store(true)
 	r.rebuildLocked()
@@ -429,7 +462,7 @@ func (r *registry) rebuildLocked() {
 // buildTable indexes the routes of agents; those of leaving sessions only by
 // dial address.
 func buildTable(agents, leaving []*agentSession) *routeTable {
-	slices.SortFunc(agents, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
+	slices.SortFunc(agents, compareAgents)
 	b := &tableBuilder{t: &routeTable{
 		replaced: make(chan struct{}),
 		exact:    map[string][]*routeEntry{},
@@ -437,6 +470,7 @@ func buildTable(agents, leaving []*agentSession) *routeTable {
 		sniExact: map[string][]*routeEntry{},
 		byPort:   map[uint32][]*routeEntry{},
 		byName:   map[string][]*routeEntry{},
+		bySource: map[string][]*routeEntry{},
 		matchers: map[string]*hostMatcher{},
 	}, groups: map[string]int{}}
 	b.t.sniPatterns.first = true // see lookupSNI
@@ -471,6 +505,7 @@ func (b *tableBuilder) add(e *routeEntry) {
 	name := routeName(e.route)
 	t.byName[name] = append(t.byName[name], e)
 	if e.matchesByPattern() {
+		t.bySource[patternKey(e)] = append(t.bySource[patternKey(e)], e)
 		t.load.add(e.pattern)
 		if t.matchers[e.pattern.source] == nil {
 			t.matchers[e.pattern.source] = e.pattern
@@ -581,27 +616,27 @@ func (t *routeTable) byDialAddress(addr string) *routeEntry {
 	return t.byDial[host]
 }
 
-// succeeds reports whether a new session of agentID replaces one: the
-// id's registered session, or else its one leaving session (a restart, a
-// rolling update). A second leaving session of the id does not count, so
+// succeeds reports whether a new session of key replaces one: the key's
+// registered session, or else its one leaving session (a restart, a
+// rolling update). A second leaving session of the key does not count, so
 // leaving and coming back cannot pile sessions up past max_sessions.
-func (r *registry) succeeds(agentID string) bool {
+func (r *registry) succeeds(key agentKey) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if _, ok := r.agents[agentID]; ok {
+	if _, ok := r.agents[key]; ok {
 		return true
 	}
 	n := 0
 	for a := range r.leaving {
-		if a.agentID == agentID {
+		if a.key() == key {
 			n++
 		}
 	}
 	return n == 1
 }
 
-// sessions returns the agent sessions, leaving ones included, ordered by
-// agent id.
+// sessions returns the agent sessions, leaving ones included, in routing
+// order (compareAgents).
 func (r *registry) sessions() []*agentSession {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -612,7 +647,7 @@ func (r *registry) sessions() []*agentSession {
 	for a := range r.leaving {
 		out = append(out, a)
 	}
-	slices.SortFunc(out, func(a, b *agentSession) int { return strings.Compare(a.agentID, b.agentID) })
+	slices.SortFunc(out, compareAgents)
 	return out
 }
 
@@ -623,10 +658,17 @@ func (r *registry) reroute(a *agentSession, entries []*routeEntry) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	a.routes = entries
-	if r.agents[a.agentID] == a {
+	if r.agents[a.key()] == a {
 		r.rebuildLocked()
 	}
 }
+
+// key is the session's agent key.
+func (a *agentSession) key() agentKey { return agentKey{a.credName, a.agentID} }
+
+// setCredential gives a the credential that replaced its own of the same
+// name on a reload. Callers hold node.admitMu.
+func (a *agentSession) setCredential(c *credential) { a.auth.cred = c }
 
 // currentRoutes returns a's routes under the registry lock.
 func (a *agentSession) currentRoutes(mu *sync.Mutex) []*routeEntry {

@@ -38,7 +38,7 @@ func advertise(t *testing.T, r *registry, a *agentSession, routes ...*tunnelpb.R
 		t.Fatalf("rejected by validation: %v", rejected)
 	}
 	entries, rejected = r.bind(a, entries, a.routes)
-	if r.agents[a.agentID] == a {
+	if r.agents[a.key()] == a {
 		r.reroute(a, entries)
 	} else {
 		r.register(a, entries)

@@ -75,7 +75,10 @@ type TotalsStatus struct {
 
 // SessionStatus is one agent session.
 type SessionStatus struct {
-	AgentID        string    `json:"agent_id"`
+	AgentID string `json:"agent_id"`
+	// Credential is the name of the credential the agent authenticated
+	// with; "" for the node's unscoped token.
+	Credential     string    `json:"credential"`
 	Build          string    `json:"build,omitempty"`
 	Remote         string    `json:"remote"`
 	ConnectedSince time.Time `json:"connected_since"`
@@ -215,7 +218,7 @@ func (n *node) totals() TotalsStatus {
 func snapshotSession(reg *registry, a *agentSession, direct bool) SessionStatus {
 	s := a.sess.Stats()
 	st := SessionStatus{
-		AgentID: a.agentID, Build: a.build, Remote: a.remote, ConnectedSince: a.connected.UTC(),
+		AgentID: a.agentID, Credential: a.credName, Build: a.build, Remote: a.remote, ConnectedSince: a.connected.UTC(),
 		Transport: sessionTransport(a), DirectSockets: direct, Leaving: a.leaving.Load(),
 		Connections: s.Conns, Buffered: s.Buffered, Queued: s.Queued, Direct: s.Direct,
 		Routes: []RouteStatus{},
