@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/x509"
+	"fmt"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -265,6 +266,34 @@ func TestDNSIdentityNeedsALeafOfTheRoot(t *testing.T) {
 		}
 		if got != tc.want {
 			t.Errorf("chain of %d with %v %v: credential %q, want %q", len(tc.chain), tc.chain[0].DNSNames, tc.chain[0].URIs, got, tc.want)
+		}
+	}
+}
+
+// BenchmarkAdmitScope is the scope's cost for one Advertise of the most
+// routes one may carry, against a scope of 64 exact hosts and 16 suffixes.
+func BenchmarkAdmitScope(b *testing.B) {
+	hosts := []string{}
+	for i := range 64 {
+		hosts = append(hosts, fmt.Sprintf("app-%d.example.com", i))
+	}
+	for i := range 16 {
+		hosts = append(hosts, fmt.Sprintf("*.team-%d.example.com", i))
+	}
+	set, err := buildCredentials("", []*Credential{{Name: "t", Token: tokenA, Scope: Scope{Hosts: hosts}}}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	routes := make([]*tunnelpb.Route, maxRoutesPerAdvertise)
+	for i := range routes {
+		routes[i] = &tunnelpb.Route{Host: fmt.Sprintf("svc-%d.team-%d.example.com", i, i%20), Target: "http://x"}
+	}
+	entries, _ := validateRoutes(routes)
+	sc := set.byName["t"].scope
+	b.ResetTimer()
+	for range b.N {
+		for _, e := range entries {
+			sc.admitScope(e)
 		}
 	}
 }
