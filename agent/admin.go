@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -95,13 +96,18 @@ func (a *Agent) AdminHandler() http.Handler {
 }
 
 // serveReady answers 200 while the agent is ready (Ready), else 503 with
-// the reason, which a load balancer's log or a kubectl describe shows.
+// the reason, which a load balancer's log or a kubectl describe shows;
+// either way followed by a line per node (readyDetail).
 func (a *Agent) serveReady(w http.ResponseWriter, _ *http.Request) {
+	detail := strings.TrimSuffix(a.readyDetail(), "\n")
+	if detail != "" {
+		detail = "\n" + detail
+	}
 	if ready, reason := a.Ready(); !ready {
-		writeText(w, http.StatusServiceUnavailable, "not ready: "+reason)
+		writeText(w, http.StatusServiceUnavailable, "not ready: "+reason+detail)
 		return
 	}
-	writeText(w, http.StatusOK, "ready")
+	writeText(w, http.StatusOK, "ready"+detail)
 }
 
 // serveStatus answers the agent's Status as indented JSON, for people as

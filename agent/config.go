@@ -36,7 +36,11 @@ import (
 // defaults, reads token_file into Token and keeps the parsed forms of the
 // server address, the targets and the host patterns.
 type Config struct {
-	// Server is grpc://host:port (plaintext) or grpcs://host:port (TLS). Required.
+	// Server is grpc://host:port (plaintext) or grpcs://host:port (TLS).
+	// Required. The agent bootstraps with it: the node it reaches tells
+	// the other nodes of its cluster (MembershipUpdate), with which the
+	// agent keeps a session each; with ServerEachAddress the addresses of
+	// its host are the nodes.
 	Server string `yaml:"server"`
 	// Insecure (grpcs only) skips verification of the server certificate.
 	Insecure bool `yaml:"insecure"`
@@ -108,6 +112,21 @@ type Config struct {
 	// (127.0.0.1:9001) or a private network: the agent warns when it
 	// binds beyond loopback.
 	AdminListen string `yaml:"admin_listen"`
+	// ServerEachAddress makes the agent resolve the host of Server and
+	// keep a session with every address it resolves to (the same port;
+	// for grpcs:// the TLS server name stays the host name), so that a
+	// DNS name listing a cluster's nodes is the cluster's membership. The
+	// name is resolved again every ServerRefresh: the agent opens sessions
+	// with the new addresses and leaves the sessions with the addresses
+	// gone, as it leaves on shutdown. The nodes' MembershipUpdates are
+	// then logged and not used. Flag -server-each-address, environment
+	// SLUICE_SERVER_EACH_ADDRESS.
+	ServerEachAddress bool `yaml:"server_each_address"`
+	// ServerRefresh is how often ServerEachAddress resolves the host
+	// again; 0 means DefaultServerRefresh, at least MinServerRefresh.
+	// Flag -server-refresh, environment SLUICE_SERVER_REFRESH. YAML takes
+	// Go durations ("30s").
+	ServerRefresh time.Duration `yaml:"server_refresh"`
 
 	serverTLS  bool   // parsed Server: grpcs
 	serverAddr string // parsed Server: host:port
@@ -453,6 +472,8 @@ const (
 	EnvDisableLane    = "SLUICE_DISABLE_DATA_LANE"
 	EnvDisableDirect  = "SLUICE_DISABLE_DIRECT_SOCKETS"
 	EnvAdminListen    = "SLUICE_ADMIN_LISTEN"
+	EnvServerEach     = "SLUICE_SERVER_EACH_ADDRESS"
+	EnvServerRefresh  = "SLUICE_SERVER_REFRESH"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -507,19 +528,26 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 			c.TunnelBudget = n
 		}
 	}
-	if v := getenv(EnvShutdownGrace); v != "" {
-		d, err := time.ParseDuration(strings.TrimSpace(v))
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: invalid duration %q", EnvShutdownGrace, v))
-		} else {
-			c.ShutdownGrace = d
+	envDuration := func(name string, dst *time.Duration) {
+		if v := getenv(name); v != "" {
+			d, err := time.ParseDuration(strings.TrimSpace(v))
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s: invalid duration %q", name, v))
+			} else {
+				*dst = d
+			}
 		}
 	}
+	envDuration(EnvShutdownGrace, &c.ShutdownGrace)
+	envDuration(EnvServerRefresh, &c.ServerRefresh)
 	if b := envBool(EnvDisableLane); b != nil {
 		c.DisableDataLane = *b
 	}
 	if b := envBool(EnvDisableDirect); b != nil {
 		c.DisableDirectSockets = *b
+	}
+	if b := envBool(EnvServerEach); b != nil {
+		c.ServerEachAddress = *b
 	}
 	if v := getenv(EnvUpstreams); v != "" {
 		k := 0
@@ -622,6 +650,14 @@ func NewID() string {
 // 10 s docker stop waits before it kills, so that the agent cuts what is
 // left, logs it and exits by itself.
 const DefaultShutdownGrace = 9 * time.Second
+
+// DefaultServerRefresh and MinServerRefresh are the default and the least
+// Config.ServerRefresh: a name resolved more often than each second would
+// load the resolver for nothing, as membership changes are rare.
+const (
+	DefaultServerRefresh = 30 * time.Second
+	MinServerRefresh     = time.Second
+)
 
 var logLevels = map[string]bool{"debug": true, "info": true, "warn": true, "error": true}
 
@@ -771,6 +807,12 @@ func (c *Config) validateLimits(p *problems) {
 		c.ShutdownGrace = DefaultShutdownGrace
 	case c.ShutdownGrace > tunnelpb.MaxLeaveGrace:
 		p.add("shutdown_grace", "at most %v (the node ends a leaving agent's session then), got %v", tunnelpb.MaxLeaveGrace, c.ShutdownGrace)
+	}
+	switch {
+	case c.ServerRefresh == 0:
+		c.ServerRefresh = DefaultServerRefresh
+	case c.ServerRefresh < MinServerRefresh:
+		p.add("server_refresh", "at least %v, got %v", MinServerRefresh, c.ServerRefresh)
 	}
 }
 

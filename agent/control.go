@@ -20,16 +20,33 @@ import (
 // log, or record what came and signal the session's serve loop, which acts
 // on it (sessionAttempt.loop).
 type control struct {
-	log  *zap.Logger
-	acks *latestAck
+	logger func() *zap.Logger
+	acks   *latestAck
 	// drains receives the grace of the node's Drain, once per session
 	// (drained guards it).
 	drains  chan time.Duration
 	drained atomic.Bool
+	// onMembership takes the node's MembershipUpdate, with the id of the
+	// node that sent it; it must not block. nil: logged only.
+	onMembership func(sender string, m *tunnelpb.MembershipUpdate)
+	// nodeID is the id of the node's latest AdvertiseAck: the sender of
+	// the MembershipUpdates after it. Only dispatch (the session's
+	// receive loop) touches it.
+	nodeID string
 }
 
 func newControl(log *zap.Logger) *control {
-	return &control{log: log, acks: newLatestAck(), drains: make(chan time.Duration, 1)}
+	return &control{logger: func() *zap.Logger { return log }, acks: newLatestAck(), drains: make(chan time.Duration, 1)}
+}
+
+// newLinkControl is the control of a session of link l dialed to t: it
+// logs with the link's logger and offers the node's membership to the
+// cluster.
+func newLinkControl(l *link, t *linkTarget) *control {
+	c := newControl(nil)
+	c.logger = l.log
+	c.onMembership = func(sender string, m *tunnelpb.MembershipUpdate) { l.a.cluster.offer(l, t, sender, m) }
+	return c
 }
 
 // dispatch hands f to the handler of its message; it is the session's
@@ -45,13 +62,16 @@ func (c *control) dispatch(f *tunnelpb.Frame) {
 	case *tunnelpb.Frame_Error:
 		c.onError(k.Error)
 	default:
-		c.log.Debug("unexpected control frame ignored", zap.String("frame", fmt.Sprintf("%T", f.Kind)))
+		c.logger().Debug("unexpected control frame ignored", zap.String("frame", fmt.Sprintf("%T", f.Kind)))
 	}
 }
 
 // onAdvertiseAck keeps the newest ack for the serve loop: every ack states
 // the whole route set, so a newer one supersedes one not yet taken.
-func (c *control) onAdvertiseAck(ack *tunnelpb.AdvertiseAck) { c.acks.put(ack) }
+func (c *control) onAdvertiseAck(ack *tunnelpb.AdvertiseAck) {
+	c.nodeID = ack.GetNodeId()
+	c.acks.put(ack)
+}
 
 // onDrain passes the grace of the node's first Drain to the serve loop,
 // which ends the session itself if the node does not within it.
@@ -60,24 +80,23 @@ func (c *control) onDrain(d *tunnelpb.Drain) {
 		return
 	}
 	grace := time.Duration(d.GetGraceMs()) * time.Millisecond
-	c.log.Info("node draining", zap.String("reason", d.GetReason()), zap.String("grace", grace.String()))
+	c.logger().Info("node draining", zap.String("reason", d.GetReason()), zap.String("grace", grace.String()))
 	c.drains <- grace // buffered, and sent once: never blocks
 }
 
-// onMembershipUpdate logs the node's cluster membership; the agent keeps
-// one session to the node it dialed and uses none of it yet.
+// onMembershipUpdate logs the node's cluster membership and hands it on,
+// with the node's id, to the cluster, which decides what it changes.
 func (c *control) onMembershipUpdate(m *tunnelpb.MembershipUpdate) {
-	nodes := make([]string, 0, len(m.GetNodes()))
-	for _, n := range m.GetNodes() {
-		nodes = append(nodes, n.GetId()+"="+n.GetUrl())
+	c.logger().Debug("membership update", zap.String("from_node", c.nodeID), zap.Strings("nodes", memberNames(m.GetNodes())))
+	if c.onMembership != nil {
+		c.onMembership(c.nodeID, m)
 	}
-	c.log.Debug("membership update (ignored)", zap.Strings("nodes", nodes))
 }
 
 // onError logs an error the node reports about the session; the node
 // ends the session itself when the error is fatal.
 func (c *control) onError(e *tunnelpb.Error) {
-	c.log.Warn("node reported an error", zap.String("code", e.GetCode().String()), zap.String("message", e.GetMessage()))
+	c.logger().Warn("node reported an error", zap.String("code", e.GetCode().String()), zap.String("message", e.GetMessage()))
 }
 
 // nodeDrained reports whether the node sent Drain.
@@ -243,8 +262,8 @@ type readvertiser struct {
 	timer *time.Timer // nil while none is scheduled
 }
 
-func newReadvertiser(a *Agent) *readvertiser {
-	return &readvertiser{log: a.log, bo: newBackoff(a.backoffInitial, a.backoffMax, nil)}
+func newReadvertiser(a *Agent, log *zap.Logger) *readvertiser {
+	return &readvertiser{log: log, bo: newBackoff(a.backoffInitial, a.backoffMax, nil)}
 }
 
 // onAck schedules the re-Advertise the node's ack calls for.

@@ -45,7 +45,7 @@ func TestControlHandlersNeverBlock(t *testing.T) {
 	if ack := c.acks.take(); ack.GetNodeId() != "c" {
 		t.Errorf("took ack of %q, want the newest (c)", ack.GetNodeId())
 	}
-	if logs.FilterMessage("node draining").Len() != 1 || logs.FilterMessage("membership update (ignored)").Len() != 1 ||
+	if logs.FilterMessage("node draining").Len() != 1 || logs.FilterMessage("membership update").Len() != 1 ||
 		logs.FilterMessage("node reported an error").Len() != 1 {
 		t.Errorf("logs: %v", logs.All())
 	}
@@ -105,7 +105,7 @@ func TestOverlapsLoggedOnChange(t *testing.T) {
 // the node admits it again itself on that reload); other rejections do,
 // also beside an out-of-scope one.
 func TestOutOfScopeRejectionsAreNotRetried(t *testing.T) {
-	r := newReadvertiser(&Agent{log: zap.NewNop(), backoffInitial: time.Hour, backoffMax: time.Hour})
+	r := newReadvertiser(&Agent{backoffInitial: time.Hour, backoffMax: time.Hour}, zap.NewNop())
 	defer r.stop()
 	outOfScope := &tunnelpb.RejectedRoute{Name: "web", Reason: `out_of_scope: host "web.example.com" of credential "team-a"`}
 	portInUse := &tunnelpb.RejectedRoute{Name: ":16379", ListenPort: 16379, Reason: "port in use"}

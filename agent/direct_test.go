@@ -28,7 +28,8 @@ func TestHelpListsEveryEnvironmentVariable(t *testing.T) {
 	list := u[i:]
 	list = list[:strings.Index(list, "\n\n")]
 	for _, env := range []string{EnvConfig, EnvServer, EnvToken, EnvTokenFile, EnvID, EnvInsecure, EnvCAFile, EnvCertFile, EnvKeyFile,
-		EnvLogLevel, EnvMaxConnections, EnvUpstreams, EnvTunnelBudget, EnvShutdownGrace, EnvDisableLane, EnvDisableDirect, EnvAdminListen} {
+		EnvLogLevel, EnvMaxConnections, EnvUpstreams, EnvTunnelBudget, EnvShutdownGrace, EnvDisableLane, EnvDisableDirect, EnvAdminListen,
+		EnvServerEach, EnvServerRefresh} {
 		if !strings.Contains(list, env) {
 			t.Errorf("the environment list omits %s:\n%s", env, list)
 		}

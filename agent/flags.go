@@ -129,6 +129,12 @@ func (v *flagValues) apply(c *Config, set map[string]bool) {
 	if set["admin-listen"] {
 		c.AdminListen = v.adminListen
 	}
+	if set["server-each-address"] {
+		c.ServerEachAddress = v.serverEach
+	}
+	if set["server-refresh"] {
+		c.ServerRefresh = v.serverRefresh
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
@@ -138,9 +144,10 @@ type flagValues struct {
 	config, server, token, tokenFile, id, caFile, logLevel string
 	adminListen, certFile, keyFile                         string
 	insecure, version, disableLane, disableDirect          bool
+	serverEach                                             bool
 	maxConns                                               int
 	tunnelBudget                                           int64
-	shutdownGrace                                          time.Duration
+	shutdownGrace, serverRefresh                           time.Duration
 	upstreams                                              stringList
 }
 
@@ -165,6 +172,8 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.BoolVar(&v.disableLane, "disable-data-lane", false, "keep sessions on the gRPC stream: no second connection for the data lane ($"+EnvDisableLane+")")
 	fs.BoolVar(&v.disableDirect, "disable-direct-sockets", false, "keep every connection on the data lane: no socket of its own for a bulk connection ($"+EnvDisableDirect+")")
 	fs.StringVar(&v.adminListen, "admin-listen", "", "serve /metrics, /healthz, /readyz and /status on `host:port`, e.g. 127.0.0.1:9001; no authentication: keep it on loopback; default off ($"+EnvAdminListen+")")
+	fs.BoolVar(&v.serverEach, "server-each-address", false, "resolve the host of -server and keep a session with every address (one per cluster node), resolving it again every -server-refresh ($"+EnvServerEach+")")
+	fs.DurationVar(&v.serverRefresh, "server-refresh", 0, "with -server-each-address, how often to resolve the host again; at least 1s; 0 = "+DefaultServerRefresh.String()+" ($"+EnvServerRefresh+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	// Listed here so that -h shows it among the flags; ParseFlags answers
 	// it with ErrVersion.
@@ -200,6 +209,7 @@ Environment:
   %s  %s  %s  %s  %s
   %s  %s  %s  %s
   %s  %s  %s  %s
+  %s  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
@@ -220,7 +230,8 @@ Upstream spec (-upstream, %s):
 `, EnvUpstreams, EnvConfig, EnvServer, EnvToken, EnvTokenFile,
 		EnvID, EnvInsecure, EnvCAFile, EnvCertFile, EnvKeyFile,
 		EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace,
-		EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvAdminListen, EnvUpstreams)
+		EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvAdminListen,
+		EnvServerEach, EnvServerRefresh, EnvUpstreams)
 }
 
 type stringList []string

@@ -343,8 +343,8 @@ func TestUpstreamErrorsNameTheirSource(t *testing.T) {
 	}
 }
 
-// TestDisableSwitchesLayers: disable_data_lane and disable_direct_sockets
-// come from the file, the environment and the flag, each over the one
+// TestDisableSwitchesLayers: disable_data_lane, disable_direct_sockets
+// and server_each_address come from the file, the environment and the flag, each over the one
 // before; an environment value that is not a boolean is refused.
 func TestDisableSwitchesLayers(t *testing.T) {
 	for _, sw := range []struct {
@@ -353,6 +353,7 @@ func TestDisableSwitchesLayers(t *testing.T) {
 	}{
 		{"disable_data_lane", "-disable-data-lane", EnvDisableLane, func(c *Config) bool { return c.DisableDataLane }},
 		{"disable_direct_sockets", "-disable-direct-sockets", EnvDisableDirect, func(c *Config) bool { return c.DisableDirectSockets }},
+		{"server_each_address", "-server-each-address", EnvServerEach, func(c *Config) bool { return c.ServerEachAddress }},
 	} {
 		file := filepath.Join(t.TempDir(), "agent.yaml")
 		yaml := "server: grpc://n:1\ntoken: t\n" + sw.key + ": true\nupstreams:\n  - host: a\n    target: http://a:1\n"
@@ -382,6 +383,43 @@ func TestDisableSwitchesLayers(t *testing.T) {
 		}
 		if _, err := ParseFlags(noFile, envFunc(map[string]string{sw.env: "sometimes"})); err == nil {
 			t.Errorf("bad %s accepted", sw.env)
+		}
+	}
+}
+
+// TestServerRefreshLayers: server_refresh comes from the file, the
+// environment and the flag, each over the one before; it defaults to 30 s
+// and takes no less than a second.
+func TestServerRefreshLayers(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "agent.yaml")
+	yaml := "server: grpc://n:1\ntoken: t\nserver_each_address: true\nserver_refresh: 5s\nupstreams:\n  - host: a\n    target: http://a:1\n"
+	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	noFile := []string{"-server", "grpc://n:1", "-token", "t", "-upstream", "a=http://a:1"}
+	for _, tc := range []struct {
+		name string
+		args []string
+		env  map[string]string
+		want time.Duration
+	}{
+		{"file", []string{"-config", file}, nil, 5 * time.Second},
+		{"env over file", []string{"-config", file}, map[string]string{EnvServerRefresh: "7s"}, 7 * time.Second},
+		{"flag over env", []string{"-config", file, "-server-refresh", "1m"}, map[string]string{EnvServerRefresh: "7s"}, time.Minute},
+		{"default", noFile, nil, DefaultServerRefresh},
+	} {
+		c, err := ParseFlags(tc.args, envFunc(tc.env))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if c.ServerRefresh != tc.want {
+			t.Errorf("%s: server_refresh %v, want %v", tc.name, c.ServerRefresh, tc.want)
+		}
+	}
+	for _, bad := range []map[string]string{{EnvServerRefresh: "500ms"}, {EnvServerRefresh: "-1s"}, {EnvServerRefresh: "soon"}} {
+		_, err := ParseFlags(noFile, envFunc(bad))
+		if err == nil || !strings.Contains(err.Error(), "server_refresh") && !strings.Contains(err.Error(), EnvServerRefresh) {
+			t.Errorf("%v: err %v, want one naming server_refresh", bad, err)
 		}
 	}
 }

@@ -32,7 +32,7 @@ import (
 // default) runs from before it sends the header. laneHeaderWait bounds the
 // wait for the header (a node sends it once it authorised the stream),
 // laneDialTimeout the dial, the TLS handshake and the node's answer.
-// After a lane failed, the agent's next sessions to the same server stay
+// After a lane failed, the link's next sessions to the same node stay
 // on the gRPC stream for laneRetryAfter, so a path that never takes a
 // lane (a load balancer that passes only gRPC, or one that sends the lane
 // to another node) costs one attempt and one warning per period, not one
@@ -61,12 +61,12 @@ type sessionTransport struct {
 // stream; cancel ends it; creds are the attempt's (attemptCredentials),
 // which the lane and the direct sockets use as the stream's connection
 // does, so that they present the same client certificate.
-func (a *Agent) sessionFrames(ctx context.Context, creds credentials.TransportCredentials, rs *recordingStream, cancel func(), hostport string) sessionTransport {
+func (l *link) sessionFrames(ctx context.Context, creds credentials.TransportCredentials, rs *recordingStream, cancel func(), hostport string) sessionTransport {
 	onGRPC := sessionTransport{frames: tunnelcore.GRPCStream(rs, cancel), progress: streamProgress(rs)}
-	if a.cfg.DisableDataLane || behindProxy(hostport) || time.Now().UnixNano() < a.laneRetryAt.Load() {
+	if l.a.cfg.DisableDataLane || behindProxy(hostport) || time.Now().UnixNano() < l.laneRetryAt.Load() {
 		return onGRPC
 	}
-	offer := a.laneOffer(rs)
+	offer := l.laneOffer(rs)
 	if offer.ticket == "" {
 		return onGRPC
 	}
@@ -74,9 +74,9 @@ func (a *Agent) sessionFrames(ctx context.Context, creds credentials.TransportCr
 	conn, err := dialLane(ctx, creds, laneDialTimeout, addr, hostport, tunnelpb.LaneHello(offer.ticket))
 	if err != nil {
 		if ctx.Err() == nil {
-			a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
-			a.log.Warn("data lane unavailable; sessions run on the gRPC stream (disable_data_lane spares the attempt)",
-				zap.String("server", a.cfg.Server), zap.Duration("retry_after", laneRetryAfter), zap.Error(err))
+			l.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
+			l.log().Warn("data lane unavailable; sessions run on the gRPC stream (disable_data_lane spares the attempt)",
+				zap.String("server", l.target.Load().url), zap.Duration("retry_after", laneRetryAfter), zap.Error(err))
 		}
 		return onGRPC
 	}
@@ -85,7 +85,7 @@ func (a *Agent) sessionFrames(ctx context.Context, creds credentials.TransportCr
 		progress: tunnelcore.ConnProgress(conn),
 		onLane:   true,
 	}
-	if offer.directKey != "" && !a.cfg.DisableDirectSockets {
+	if offer.directKey != "" && !l.a.cfg.DisableDirectSockets {
 		// Bounded by tunnelcore's context (directDialTimeout, 10 s): the
 		// node may answer late and still have taken the socket.
 		t.directDial = func(ctx context.Context, id uint64) (net.Conn, error) {
@@ -120,7 +120,7 @@ type laneOffer struct{ ticket, directKey string }
 // it as soon as it authorised the stream) and returns what it offers: no
 // ticket when none was offered or the stream failed (the session reports
 // why). The wait is bounded by laneHeaderWait.
-func (a *Agent) laneOffer(st grpc.ClientStream) laneOffer {
+func (l *link) laneOffer(st grpc.ClientStream) laneOffer {
 	ch := make(chan laneOffer, 1)
 	go func() {
 		md, err := st.Header()
@@ -137,7 +137,7 @@ func (a *Agent) laneOffer(st grpc.ClientStream) laneOffer {
 		}
 		ch <- o
 	}()
-	t := time.NewTimer(min(a.ackTimeout, laneHeaderWait))
+	t := time.NewTimer(min(l.a.ackTimeout, laneHeaderWait))
 	defer t.Stop()
 	select {
 	case o := <-ch:
@@ -145,7 +145,7 @@ func (a *Agent) laneOffer(st grpc.ClientStream) laneOffer {
 	case <-t.C:
 		// A node that sends no header before the Advertise offers no
 		// lane: spare the wait for a while (laneRetryAfter).
-		a.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
+		l.laneRetryAt.Store(time.Now().Add(laneRetryAfter).UnixNano())
 		return laneOffer{}
 	}
 }

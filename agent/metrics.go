@@ -77,7 +77,10 @@ func (c *connCounters) limitRejected() int64 {
 // node's where they mean the same (sluice_connections_active, ...).
 var (
 	descSessions = prometheus.NewDesc("sluice_tunnel_sessions",
-		"Tunnel sessions established with a node (the node acknowledged the Advertise).", nil, nil)
+		"Tunnel sessions established with the nodes (the node acknowledged the Advertise), one at most per node.", nil, nil)
+	descLinkState = prometheus.NewDesc("sluice_node_session_state",
+		"The state of the agent's session with each node: 1 for the state it is in, 0 for the others. node is the node's id (empty before the server's node answered), url where the agent dials it.",
+		[]string{"node", "url", "state"}, nil)
 	descActive = prometheus.NewDesc("sluice_connections_active",
 		"Connections the node opened that are being dialed or relayed.", nil, nil)
 	descReconnects = prometheus.NewDesc("sluice_reconnect_total",
@@ -108,8 +111,14 @@ var (
 // state at scrape time, so the data path pays nothing for the metrics.
 type collector struct{ a *Agent }
 
-// Describe sends the descriptions by collecting once: the set is fixed.
-func (c collector) Describe(ch chan<- *prometheus.Desc) { prometheus.DescribeByCollect(c, ch) }
+// Describe sends the descriptions of every metric the collector may send
+// (some only once a link exists or an unknown route was counted).
+func (c collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descSessions, descLinkState, descActive, descReconnects, descAdvRejected,
+		descLimit, descAdmitted, descLimitRejected, descBytes, descConns, descBuffered, descQueued, descBudget, descBuild} {
+		ch <- d
+	}
+}
 
 // Collect sends the agent's metrics as they are now.
 func (c collector) Collect(ch chan<- prometheus.Metric) {
@@ -120,11 +129,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	counter := func(d *prometheus.Desc, v int64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
 	}
-	sessions := 0.0
-	if a.State() == StateConnected {
-		sessions = 1
-	}
-	gauge(descSessions, sessions)
+	c.collectLinks(gauge)
 	active := float64(a.ActiveConns())
 	gauge(descActive, active)
 	gauge(descAdmitted, active)
@@ -137,6 +142,39 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	gauge(descBudget, float64(a.limits.Budget))
 	gauge(descBuild, 1, BuildString())
 	c.collectRoutes(counter)
+}
+
+// linkStates are the states sluice_node_session_state reports: those a
+// listed link can be in.
+var linkStates = []State{StateIdle, StateConnecting, StateConnected, StateRetrying, StateDraining, StateLeaving, StateStandby}
+
+// collectLinks sends the number of sessions and each link's state. The
+// links are at most the cluster's bound (maxLinks) and those leaving, so
+// the node label's values are bounded; a link that shares its node and URL
+// with one listed before (leaving while its successor connects) is left
+// out, as a series may be sent once.
+func (c collector) collectLinks(gauge func(*prometheus.Desc, float64, ...string)) {
+	sessions := 0
+	seen := map[[2]string]bool{}
+	for _, l := range c.a.cluster.links() {
+		ls := l.status()
+		if sessionUp(ls.State) {
+			sessions++
+		}
+		k := [2]string{ls.NodeID, ls.URL}
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		for _, s := range linkStates {
+			v := 0.0
+			if s == ls.State {
+				v = 1
+			}
+			gauge(descLinkState, v, ls.NodeID, ls.URL, s.String())
+		}
+	}
+	gauge(descSessions, float64(sessions))
 }
 
 // collectRoutes sends the per-route counters: every configured route's,

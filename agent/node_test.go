@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"net"
@@ -39,7 +40,10 @@ type fakeNode struct {
 	t     testing.TB
 	token string
 	addr  string
+	id    string // node id in the acks; default node-1
 	srv   *grpc.Server
+	// membership, when set, is sent after the first ack of every session.
+	membership func() *tunnelpb.MembershipUpdate
 
 	// ack builds the AdvertiseAck for the n-th Advertise (n from 1) of a
 	// session; nil accepts every route. Returning nil sends no Ack.
@@ -67,9 +71,13 @@ type nodeSession struct {
 }
 
 type nodeOptions struct {
-	addr  string // default 127.0.0.1:0
-	creds credentials.TransportCredentials
-	ack   func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
+	addr string       // default 127.0.0.1:0
+	lis  net.Listener // listens there instead of addr
+	id   string       // node id; default node-1
+	// membership, when set, is sent after the first ack of every session.
+	membership func() *tunnelpb.MembershipUpdate
+	creds      credentials.TransportCredentials
+	ack        func(adv *tunnelpb.Advertise, n int) *tunnelpb.AdvertiseAck
 	// silentOnDrain leaves an agent's Drain unanswered, as nodes that
 	// predate it do; otherwise the node answers with an empty AdvertiseAck.
 	silentOnDrain bool
@@ -81,11 +89,11 @@ func newFakeNode(t testing.TB, token string, o nodeOptions) *fakeNode {
 	if addr == "" {
 		addr = "127.0.0.1:0"
 	}
-	var lis net.Listener
+	lis := o.lis
 	var err error
 	// A restarted node rebinds the port its predecessor released.
 	deadline := time.Now().Add(5 * time.Second)
-	for {
+	for lis == nil {
 		lis, err = net.Listen("tcp", addr)
 		if err == nil || time.Now().After(deadline) {
 			break
@@ -103,13 +111,15 @@ func newFakeNode(t testing.TB, token string, o nodeOptions) *fakeNode {
 		opts = append(opts, grpc.Creds(o.creds))
 	}
 	n := &fakeNode{
-		t:        t,
-		token:    token,
-		addr:     lis.Addr().String(),
-		srv:      grpc.NewServer(opts...),
-		ack:      o.ack,
-		silent:   o.silentOnDrain,
-		sessions: make(chan *nodeSession, 16),
+		t:          t,
+		token:      token,
+		addr:       lis.Addr().String(),
+		id:         cmp.Or(o.id, "node-1"),
+		membership: o.membership,
+		srv:        grpc.NewServer(opts...),
+		ack:        o.ack,
+		silent:     o.silentOnDrain,
+		sessions:   make(chan *nodeSession, 16),
 	}
 	tunnelpb.RegisterTunnelServer(n.srv, n)
 	go n.srv.Serve(lis)
@@ -159,7 +169,7 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 				if !n.silent {
 					go func() { // OnControl must not block
 						<-ready
-						sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: "node-1"}}})
+						sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: &tunnelpb.AdvertiseAck{NodeId: n.id}}})
 						// As the node does: end the session once no
 						// connection is left (bounded by the test).
 						for sess.NumConns() > 0 && ctx.Err() == nil {
@@ -190,6 +200,9 @@ func (n *fakeNode) Connect(st grpc.BidiStreamingServer[tunnelpb.Frame, tunnelpb.
 	defer sess.Close()
 	ns.sess = sess
 	n.sendAck(sess, adv, 1)
+	if n.membership != nil {
+		sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_MembershipUpdate{MembershipUpdate: n.membership()}})
+	}
 	select {
 	case n.sessions <- ns:
 	case <-ctx.Done():
@@ -208,6 +221,7 @@ func (n *fakeNode) sendAck(sess *tunnelcore.Session, adv *tunnelpb.Advertise, k 
 		ack = n.ack(adv, k)
 	} else {
 		ack = acceptAll(adv)
+		ack.NodeId = n.id
 	}
 	if ack != nil {
 		sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_AdvertiseAck{AdvertiseAck: ack}})

@@ -133,14 +133,25 @@ func nodeTLSConfig(cfg *Config) (*tls.Config, error) {
 }
 
 // attemptCredentials are the transport credentials of one session
-// attempt: its gRPC connection, its data lane and its direct sockets all
-// use them, so they all present the client certificate read for the
-// attempt.
+// attempt with the server's host: its gRPC connection, its data lane and
+// its direct sockets all use them, so they all present the client
+// certificate read for the attempt.
 func (a *Agent) attemptCredentials() credentials.TransportCredentials {
+	return a.attemptCredentialsFor("")
+}
+
+// attemptCredentialsFor are attemptCredentials for a node whose
+// certificate names serverName ("": the server's host): a member of the
+// cluster reached at its own URL. The trust settings (ca_file, insecure)
+// and the client certificate are the same for every node.
+func (a *Agent) attemptCredentialsFor(serverName string) credentials.TransportCredentials {
 	if a.nodeTLS == nil {
 		return insecure.NewCredentials()
 	}
 	tc := a.nodeTLS.Clone()
+	if serverName != "" {
+		tc.ServerName = serverName
+	}
 	if a.cert != nil {
 		pair := a.cert.forAttempt()
 		// GetClientCertificate rather than Certificates: from Certificates

@@ -50,11 +50,12 @@ const (
 	recvErrWait = 2 * time.Second
 )
 
-// State is where an Agent is in its connection cycle.
+// State is where an Agent, or one of its links (one per node), is in its
+// connection cycle.
 type State int32
 
 const (
-	// StateIdle: Run has not been called.
+	// StateIdle: Run has not been called (a link: not started yet).
 	StateIdle State = iota
 	// StateConnecting: dialing the node and waiting for its AdvertiseAck.
 	StateConnecting
@@ -62,8 +63,20 @@ const (
 	StateConnected
 	// StateRetrying: the last session ended or failed; waiting for the backoff.
 	StateRetrying
-	// StateStopped: Run returned.
+	// StateStopped: Run returned (a link: it ended).
 	StateStopped
+	// StateDraining (a link): the node sent Drain; the session serves its
+	// open connections until the node ends it, then the link reconnects.
+	// The agent's State counts it as connected.
+	StateDraining
+	// StateLeaving (a link): the agent sent Drain (Leave, or the node left
+	// the cluster) and serves the open connections until the node ends the
+	// session; the link does not reconnect. The agent's State counts it as
+	// connected.
+	StateLeaving
+	// StateStandby (a link): its address reached a node another link
+	// serves already; it waits until that one is gone (see link.standBy).
+	StateStandby
 )
 
 func (s State) String() string {
@@ -78,8 +91,19 @@ func (s State) String() string {
 		return "retrying"
 	case StateStopped:
 		return "stopped"
+	case StateDraining:
+		return "draining"
+	case StateLeaving:
+		return "leaving"
+	case StateStandby:
+		return "standby"
 	}
 	return fmt.Sprintf("State(%d)", int32(s))
+}
+
+// sessionUp reports whether a link in state s has an acknowledged session.
+func sessionUp(s State) bool {
+	return s == StateConnected || s == StateDraining || s == StateLeaving
 }
 
 // Option tunes an Agent beyond its Config.
@@ -92,38 +116,49 @@ func WithBackoff(initial, max time.Duration) Option {
 	return func(a *Agent) { a.backoffInitial, a.backoffMax = initial, max }
 }
 
-// Agent keeps one session to a sluice node: it connects, advertises its
-// upstreams, serves the connections the node opens, and reconnects with
-// backoff whenever the session ends.
+// runPhase is where an Agent is in its one Run.
+type runPhase int32
+
+const (
+	phaseIdle    runPhase = iota // Run not called
+	phaseRunning                 // Run running
+	phaseStopped                 // Run returned
+)
+
+// Agent keeps a session with every node of a sluice cluster (one link per
+// node; a single node is a cluster of one): it connects, advertises its
+// upstreams on every session, serves the connections the nodes open, and
+// reconnects each with backoff whenever it ends. The nodes push the
+// cluster's membership; with server_each_address the server's DNS name
+// is the membership instead (cluster.go).
 type Agent struct {
 	cfg      *Config
 	log      *zap.Logger
 	conn     *connector
-	sessions atomic.Int64 // sessions acknowledged so far
-	current  atomic.Pointer[tunnelcore.Session]
+	cluster  *cluster
+	sessions atomic.Int64       // sessions acknowledged so far, all links
 	budget   *tunnelcore.Budget // windows above 64 KiB, shared by the agent's sessions
 	limits   tunnelcore.Limits  // as derived from the config (agentLimits)
-	// counters and live feed the admin listener's metrics and status.
+	// counters feed the admin listener's metrics and status.
 	counters *connCounters
-	live     liveState
 	// adminAddr is the admin listener's address while it listens.
 	adminAddr atomic.Pointer[net.TCPAddr]
-	// laneRetryAt is when sessions may try the data lane again after one
-	// failed to open (unix nanoseconds; see laneRetryAfter).
-	laneRetryAt atomic.Int64
-	// nodeTLS is the TLS configuration of the connections to the node
+	// nodeTLS is the TLS configuration of the connections to the nodes
 	// (nil for grpc://) and cert the client certificate presented on
 	// them (nil: none); attemptCredentials combines them per attempt.
 	nodeTLS *tls.Config
 	cert    *clientCert
+	// resolve looks up the server's host for server_each_address; tests
+	// replace it. serverRefresh is how often (Config.ServerRefresh).
+	resolve       resolveFunc
+	serverRefresh time.Duration
 
 	backoffInitial, backoffMax time.Duration
 	onConnEnd                  func(ConnReport) // WithConnEnd; nil: none
 	ackTimeout                 time.Duration
 	drainMargin                time.Duration
 
-	running atomic.Bool
-	state   atomic.Int32
+	phase   atomic.Int32  // runPhase
 	stopped chan struct{} // closed when Run returns
 
 	// Leave: leaveReq is cancelled once it was called, after leaveCtx
@@ -133,9 +168,12 @@ type Agent struct {
 	requestLeave context.CancelFunc
 	leaveCtx     context.Context
 
-	mu        sync.Mutex
-	connected chan struct{} // closed while connected; replaced on disconnect
-	nodeID    string
+	// connected is closed while at least one link has a session;
+	// refreshConnected replaces it when none has.
+	connMu    sync.Mutex
+	connected chan struct{}
+
+	tokenMu   sync.Mutex
 	lastToken string // the token last read from TokenFile (or Token)
 	tokenErr  string // the last token_file error logged, to log each once
 }
@@ -160,6 +198,8 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 		backoffMax:     defaultBackoffMax,
 		ackTimeout:     ackTimeout,
 		drainMargin:    drainMargin,
+		resolve:        net.DefaultResolver.LookupNetIP,
+		serverRefresh:  cfg.ServerRefresh,
 		connected:      make(chan struct{}),
 		stopped:        make(chan struct{}),
 		lastToken:      cfg.Token,
@@ -168,7 +208,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 	a.limits = lim
 	a.budget = tunnelcore.NewBudget(lim.Budget)
 	a.counters = newConnCounters(cfg)
-	a.live.setState(StateIdle)
+	a.cluster = newCluster(a)
 	a.leaveReq, a.requestLeave = context.WithCancel(context.Background())
 	for _, o := range opts {
 		o(a)
@@ -220,19 +260,31 @@ func Run(ctx context.Context, cfg *Config, logger *zap.Logger) error {
 	return a.Run(ctx)
 }
 
-// State returns where the agent is in its connection cycle.
-func (a *Agent) State() State { return State(a.state.Load()) }
+// State returns where the agent is in its connection cycle: while Run
+// runs, the most advanced state of its links, a link with a session
+// (draining or leaving too) counting as connected; connecting while it has
+// no link yet (server_each_address before the name resolved).
+func (a *Agent) State() State {
+	switch runPhase(a.phase.Load()) {
+	case phaseIdle:
+		return StateIdle
+	case phaseStopped:
+		return StateStopped
+	}
+	return a.cluster.state()
+}
 
-// Connected returns a channel that is closed once the agent is connected
-// (the node acknowledged its Advertise). After a disconnect, later calls
-// return a new channel.
+// Connected returns a channel that is closed once the agent is connected:
+// a node acknowledged the Advertise of at least one link. After the last
+// link's session ended, later calls return a new channel.
 func (a *Agent) Connected() <-chan struct{} {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
 	return a.connected
 }
 
-// WaitConnected waits until the agent is connected or ctx is done.
+// WaitConnected waits until the agent is connected (at least one link) or
+// ctx is done.
 func (a *Agent) WaitConnected(ctx context.Context) error {
 	select {
 	case <-a.Connected():
@@ -242,21 +294,40 @@ func (a *Agent) WaitConnected(ctx context.Context) error {
 	}
 }
 
-// NodeID returns the id of the node of the current session, or "" while
-// not connected.
+// refreshConnected closes or replaces the Connected channel as the links'
+// sessions say. It reads them under connMu, so that of two links changing
+// at once the later call sees both changes.
+func (a *Agent) refreshConnected() {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	up := a.cluster.anyUp()
+	select {
+	case <-a.connected:
+		if !up {
+			a.connected = make(chan struct{})
+		}
+	default:
+		if up {
+			close(a.connected)
+		}
+	}
+}
+
+// NodeID returns the id of the node of the first link with a session, in
+// the order the links were opened (the server's first), or "" while none
+// has one.
 func (a *Agent) NodeID() string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.nodeID
+	for _, l := range a.cluster.links() {
+		if sessionUp(l.state()) {
+			return l.live.node()
+		}
+	}
+	return ""
 }
 
-// ActiveConns returns the number of connections being dialed or relayed.
+// ActiveConns returns the number of connections being dialed or relayed,
+// all links.
 func (a *Agent) ActiveConns() int { return a.conn.Active() }
-
-func (a *Agent) setState(s State) {
-	a.state.Store(int32(s))
-	a.live.setState(s)
-}
 
 // connEnded counts an ended connection for the metrics and status, then
 // hands it to WithConnEnd's function.
@@ -267,62 +338,44 @@ func (a *Agent) connEnded(r ConnReport) {
 	}
 }
 
-// Stats returns what the current session holds (zero while disconnected):
-// its connections, the bytes received and not yet relayed to upstreams, and
-// the bytes queued towards the node.
+// Stats returns what the links' sessions hold, summed (zero while none
+// has one): their connections, the bytes received and not yet relayed to
+// upstreams, and the bytes queued towards the nodes.
 func (a *Agent) Stats() tunnelcore.Stats {
-	if s := a.current.Load(); s != nil {
-		return s.Stats()
+	var st tunnelcore.Stats
+	for _, l := range a.cluster.links() {
+		s := l.stats()
+		st.Conns += s.Conns
+		st.Buffered += s.Buffered
+		st.Queued += s.Queued
+		st.Spliced += s.Spliced
+		st.Direct += s.Direct
 	}
-	return tunnelcore.Stats{}
+	return st
 }
 
-// Sessions returns how many sessions the node has acknowledged since the
-// agent started: it grows by one with every reconnect.
+// Sessions returns how many sessions the nodes have acknowledged since the
+// agent started, all links: it grows by one with every reconnect.
 func (a *Agent) Sessions() int64 { return a.sessions.Load() }
 
-func (a *Agent) markConnected(nodeID string) {
-	a.sessions.Add(1)
-	a.mu.Lock()
-	a.nodeID = nodeID
-	a.setState(StateConnected) // before the channel closes, so waiters see it
-	select {
-	case <-a.connected:
-	default:
-		close(a.connected)
-	}
-	a.mu.Unlock()
-}
-
-func (a *Agent) markDisconnected(next State) {
-	a.live.disconnected()
-	a.mu.Lock()
-	a.nodeID = ""
-	a.setState(next)
-	select {
-	case <-a.connected:
-		a.connected = make(chan struct{})
-	default:
-	}
-	a.mu.Unlock()
-}
-
-// Run connects to the node and serves it until ctx is cancelled,
-// reconnecting with jittered exponential backoff whenever the session ends.
-// It returns nil after ctx is cancelled, once the session is closed and the
-// connection handlers finished (waiting at most 5 s for them). An Agent runs
-// once.
+// Run connects to the cluster and serves it until ctx is cancelled: one
+// link per node, each reconnecting with jittered exponential backoff
+// whenever its session ends. It returns nil after ctx is cancelled, once
+// the sessions are closed and the connection handlers finished (waiting
+// at most 5 s for them), or after Leave once every link left. An Agent
+// runs once.
 func (a *Agent) Run(ctx context.Context) error {
-	if !a.running.CompareAndSwap(false, true) {
+	if !a.phase.CompareAndSwap(int32(phaseIdle), int32(phaseRunning)) {
 		return errors.New("agent: Run called twice")
 	}
 	// The end of a Leave's grace stops everything, as ctx does: the
-	// session, the upstream dials and relays under way.
+	// sessions, the upstream dials and relays under way.
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
 	defer context.AfterFunc(a.leaveReq, func() { context.AfterFunc(a.leaveCtx, stop) })()
 	defer func() {
-		a.markDisconnected(StateStopped)
+		a.phase.Store(int32(phaseStopped))
+		a.refreshConnected()
 		if !a.conn.wait(shutdownWait) {
 			a.log.Warn("connections still open at shutdown", zap.Int("connections", a.conn.Active()))
 		}
@@ -334,55 +387,19 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopAdmin()
-
-	bo := newBackoff(a.backoffInitial, a.backoffMax, nil)
-	announce := true // log "connecting" at info (first attempt, or after a session)
-	for ctx.Err() == nil {
-		a.setState(StateConnecting)
-		lvl := a.log.Debug
-		if announce {
-			lvl = a.log.Info
-		}
-		lvl("connecting", zap.String("server", a.cfg.Server), zap.String("agent_id", a.cfg.ID))
-
-		r := a.session(ctx)
-		if ctx.Err() != nil || a.leavingNow() {
-			return nil
-		}
-		// A session another agent of the same id displaced does not
-		// count as a good one: two agents sharing an id back off from
-		// each other instead of trading places every second.
-		if r.connected && !displaced(r.err) {
-			bo.Reset()
-		}
-		announce = r.connected
-		wait := bo.Next()
-		a.markDisconnected(StateRetrying)
-		a.logEnd(r, wait)
-
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil
-		case <-a.leaveReq.Done():
-			t.Stop()
-			return nil
-		case <-t.C:
-		}
-		a.counters.reconnects.Add(1)
-	}
+	a.cluster.run(ctx)
 	return nil
 }
 
 // Leave stops the agent gracefully, as sluice-agent does on SIGINT or
-// SIGTERM. The agent sends the node Drain: the node routes no new
-// connections to it (other agents serving the same hosts take them, as
+// SIGTERM. Every link, at once, sends its node Drain: the node routes no
+// new connections to it (other agents serving the same hosts take them, as
 // when it is gone), closes its idle pooled HTTP connections to it, and ends
-// the session once no connection is open on it; Run then returns nil. The
-// agent serves on until then. If ctx is done first (the grace is over, or
-// the caller cancelled it), Run's context ends: the connections still open
-// are cut, the upstream dials under way given up.
+// the session once no connection is open on it. Run returns nil once every
+// link's session ended; the agent serves on until then. If ctx is done
+// first (the grace is over, or the caller cancelled it), Run's context
+// ends: the connections still open are cut, the upstream dials under way
+// given up.
 //
 // Leave returns when Run has returned: nil, or ctx.Err() when the grace
 // ran out. A node older than this agent does not answer Drain, so the
@@ -393,7 +410,7 @@ func (a *Agent) Leave(ctx context.Context) error {
 		a.leaveCtx = ctx
 		a.requestLeave()
 	})
-	if !a.running.Load() {
+	if runPhase(a.phase.Load()) == phaseIdle {
 		return nil
 	}
 	select {
@@ -444,38 +461,6 @@ func connectHint(msg string, useTLS bool) string {
 		return "the server's host name does not resolve: check the host in server, and this host's DNS"
 	}
 	return ""
-}
-
-// logEnd logs the end of a session attempt and the coming retry.
-func (a *Agent) logEnd(r sessionResult, wait time.Duration) {
-	code, msg := statusOf(r.err)
-	fields := []zap.Field{
-		zap.String("server", a.cfg.Server),
-		zap.String("reason", msg),
-		zap.String("retry_in", wait.Round(time.Millisecond).String()),
-	}
-	if code != codes.OK && code != codes.Unknown {
-		fields = append(fields, zap.String("code", code.String()))
-	}
-	if r.connected {
-		fields = append(fields, zap.String("connected_for", r.uptime.Round(time.Millisecond).String()))
-	}
-	a.live.setLastError(msg)
-	if hint := connectHint(msg, a.cfg.serverTLS); hint != "" {
-		fields = append(fields, zap.String("hint", hint))
-	}
-	switch {
-	case code == codes.Unauthenticated || code == codes.PermissionDenied:
-		a.log.Error("authentication failed; retrying", fields...)
-	case displaced(r.err):
-		a.log.Error("replaced by another connection with this agent id; is a second agent running with the same id? retrying", fields...)
-	case r.drained:
-		a.log.Info("disconnected: node drained; reconnecting", fields...)
-	case r.connected:
-		a.log.Warn("disconnected; reconnecting", fields...)
-	default:
-		a.log.Warn("connection failed; retrying", fields...)
-	}
 }
 
 // statusOf extracts the gRPC status from err (possibly wrapped by the
@@ -590,8 +575,8 @@ func (a *Agent) token() string {
 		return a.cfg.Token
 	}
 	tok, err := readTokenFile(a.cfg.TokenFile)
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.tokenMu.Lock()
+	defer a.tokenMu.Unlock()
 	if err != nil {
 		if msg := err.Error(); msg != a.tokenErr {
 			a.tokenErr = msg

@@ -23,6 +23,9 @@ type sessionResult struct {
 	drained   bool          // the node sent Drain
 	err       error         // why it ended
 	uptime    time.Duration // how long it was connected
+	// standby is the id of the node the attempt reached when another
+	// link serves that node already (cluster.claim): the link stands by.
+	standby string
 }
 
 // sessionAttempt is one session, from the dial to its end, run in stages:
@@ -32,7 +35,11 @@ type sessionResult struct {
 // control's handlers on the receive loop.
 type sessionAttempt struct {
 	a *Agent
-	// runCtx is Run's context: its end ends the attempt.
+	l *link
+	// t is where the attempt dials: the link's target, or the server
+	// setting when the link falls back to it (link.nextTarget).
+	t *linkTarget
+	// runCtx is the link's context: its end ends the attempt.
 	runCtx context.Context
 	// ctx is the attempt's own, ended with it (cancel) or by Leave before
 	// the node acknowledged (stopLeaveWatch stops that): it carries the
@@ -54,17 +61,17 @@ type sessionAttempt struct {
 	undo []func()
 
 	// Serving: the routes' state, the re-Advertise of rejected routes, the
-	// node's Drain deadline and, once Leave was called, the leave.
+	// node's Drain deadline and, once the link leaves, the leave.
 	routes     *routeState
 	readv      *readvertiser
 	drainTimer *time.Timer
 	lv         *leaving // nil until Leave
 }
 
-// session runs one session attempt: the handshake, then serving until the
-// session ends or ctx is cancelled.
-func (a *Agent) session(ctx context.Context) sessionResult {
-	s := &sessionAttempt{a: a, runCtx: ctx}
+// session runs one session attempt of the link to t: the handshake, then
+// serving until the session ends or ctx is cancelled.
+func (l *link) session(ctx context.Context, t *linkTarget) sessionResult {
+	s := &sessionAttempt{a: l.a, l: l, t: t, runCtx: ctx}
 	defer s.close()
 	ack, failed := s.handshake()
 	if failed != nil {
@@ -104,13 +111,20 @@ func (s *sessionAttempt) handshake() (ack *tunnelpb.AdvertiseAck, failed *sessio
 	return s.awaitAck()
 }
 
-// dial makes the gRPC client connection to the node, with the client
-// certificate read again for this attempt. It connects lazily: a failure
-// to connect shows on the stream.
+// dial makes the gRPC client connection to the link's node, with the
+// client certificate read again for this attempt. It connects lazily: a
+// failure to connect shows on the stream.
 func (s *sessionAttempt) dial() error {
-	_, s.hostport = s.a.cfg.ServerAddr()
-	s.creds = s.a.attemptCredentials()
-	cc, err := grpc.NewClient("dns:///"+s.hostport, s.a.dialOptions(s.creds)...)
+	t := s.t
+	s.hostport = t.hostport
+	s.creds = s.a.attemptCredentialsFor(t.serverName)
+	opts := s.a.dialOptions(s.creds)
+	if t.authority != "" && s.a.nodeTLS == nil {
+		// Over TLS gRPC takes the :authority from the server name, which
+		// is the server's host already (and refuses another one).
+		opts = append(opts, grpc.WithAuthority(t.authority))
+	}
+	cc, err := grpc.NewClient("dns:///"+s.hostport, opts...)
 	if err != nil {
 		return err
 	}
@@ -128,7 +142,7 @@ func (s *sessionAttempt) openStream() error {
 	ctx, cancel := context.WithCancel(s.runCtx)
 	s.cancel = cancel
 	s.later(cancel)
-	s.stopLeaveWatch = context.AfterFunc(s.a.leaveReq, cancel)
+	s.stopLeaveWatch = context.AfterFunc(s.l.leaveReq, cancel)
 	s.later(func() { s.stopLeaveWatch() })
 	md := []string{"x-sluice-id", s.a.cfg.ID}
 	if tok := s.a.token(); tok != "" {
@@ -146,15 +160,15 @@ func (s *sessionAttempt) openStream() error {
 // start runs the tunnelcore session on the transport the node's response
 // header offers (a data lane, direct sockets), or on the stream.
 func (s *sessionAttempt) start() error {
-	s.tr = s.a.sessionFrames(s.ctx, s.creds, s.rs, s.cancel, s.hostport)
-	s.ctl = newControl(s.a.log)
+	s.tr = s.l.sessionFrames(s.ctx, s.creds, s.rs, s.cancel, s.hostport)
+	s.ctl = newLinkControl(s.l, s.t)
 	sess, err := tunnelcore.NewSession(s.tr.frames, tunnelcore.Config{
 		Role:       tunnelcore.RoleAgent,
 		OnControl:  s.ctl.dispatch,
 		Budget:     s.a.budget,
 		Progress:   s.tr.progress,
 		DirectDial: s.tr.directDial,
-		Logger:     s.a.log,
+		Logger:     s.l.log(),
 	})
 	if err != nil {
 		s.tr.frames.Close(err)
@@ -165,8 +179,8 @@ func (s *sessionAttempt) start() error {
 	if s.tr.onLane {
 		go watchGRPCBesideLane(sess, s.rs)
 	}
-	s.a.current.Store(sess)
-	s.later(func() { s.a.current.Store(nil) })
+	s.l.current.Store(sess)
+	s.later(func() { s.l.current.Store(nil) })
 	s.later(func() { sess.Close() })
 	return nil
 }
@@ -186,7 +200,7 @@ func (s *sessionAttempt) awaitAck() (*tunnelpb.AdvertiseAck, *sessionResult) {
 		return nil, &sessionResult{err: s.endReason(), drained: s.ctl.nodeDrained()}
 	case <-s.runCtx.Done():
 		return nil, &sessionResult{err: s.runCtx.Err()}
-	case <-s.a.leaveReq.Done():
+	case <-s.l.leaveReq.Done():
 		return nil, &sessionResult{err: errLeft}
 	case <-t.C:
 		err := fmt.Errorf("no AdvertiseAck within %v", s.a.ackTimeout)
@@ -219,29 +233,34 @@ func (s *sessionAttempt) endReason() error {
 	return serr
 }
 
-// serve serves the acknowledged session until it ends or Run's context
-// does.
+// serve serves the acknowledged session until it ends or the link's
+// context does. A session with a node another link serves already ends at
+// once: the link stands by (see link.standBy).
 func (s *sessionAttempt) serve(ack *tunnelpb.AdvertiseAck) (res sessionResult) {
+	if by := s.a.cluster.claim(s.l, ack.GetNodeId(), s.t); by != "" {
+		return sessionResult{standby: ack.GetNodeId(),
+			err: fmt.Errorf("node %q is served by the session with %s already", ack.GetNodeId(), by)}
+	}
 	connectedAt := time.Now()
 	defer func() { res.uptime = time.Since(connectedAt) }()
 	s.announce(ack)
 	defer s.acceptConns()()
-	s.readv = newReadvertiser(s.a)
+	s.readv = newReadvertiser(s.a, s.l.log())
 	defer s.readv.stop()
 	s.readv.onAck(ack)
 	defer s.stopDrainTimer()
 	return s.loop()
 }
 
-// announce logs the new session and marks the agent connected.
+// announce logs the new session and marks the link connected.
 func (s *sessionAttempt) announce(ack *tunnelpb.AdvertiseAck) {
 	s.routes = newRouteState()
-	s.a.log.Info("connected",
-		zap.String("server", s.a.cfg.Server),
-		zap.String("node_id", ack.GetNodeId()),
+	log := s.l.reached(ack.GetNodeId())
+	log.Info("connected",
+		zap.String("server", s.t.url),
 		zap.String("node_build", cmp.Or(ack.GetBuild(), "unknown (an older node)")),
 		zap.String("credential", credentialName(ack.GetCredential())),
-		zap.Strings("routes", s.routes.update(s.a.log, ack)),
+		zap.Strings("routes", s.routes.update(log, ack)),
 		zap.Bool("data_lane", s.tr.onLane),
 		zap.Bool("direct_sockets", s.tr.directDial != nil),
 		zap.Bool("stall_progress", s.tr.progress != nil)) // see tunnelcore.Config.Progress
@@ -249,9 +268,9 @@ func (s *sessionAttempt) announce(ack *tunnelpb.AdvertiseAck) {
 	if s.tr.onLane {
 		transport = TransportDataLane
 	}
-	s.a.recordAck(ack)
-	s.a.live.connected(ack.GetBuild(), transport, s.tr.directDial != nil)
-	s.a.markConnected(ack.GetNodeId())
+	s.l.recordAck(ack)
+	s.l.live.connected(ack.GetNodeId(), ack.GetBuild(), transport, s.tr.directDial != nil)
+	s.l.markConnected()
 }
 
 // acceptConns serves the connections the node opens, in a goroutine, until
@@ -276,9 +295,9 @@ func (s *sessionAttempt) acceptConns() (wait func()) {
 }
 
 // loop hands each event of the serving session to its handler until the
-// session ends or Run's context does.
+// session ends or the link's context does.
 func (s *sessionAttempt) loop() sessionResult {
-	leaveC := s.a.leaveReq.Done()
+	leaveC := s.l.leaveReq.Done()
 	for {
 		select {
 		case <-s.runCtx.Done():
@@ -300,8 +319,9 @@ func (s *sessionAttempt) loop() sessionResult {
 	}
 }
 
-// stopped ends the session as Run's context ended. When leaving, that is
-// the end of the grace (Run ties them): the connections still open are cut.
+// stopped ends the session as the link's context ended. When leaving,
+// that is the end of the grace (link.run ties them): the connections
+// still open are cut.
 func (s *sessionAttempt) stopped() sessionResult {
 	if s.lv != nil {
 		s.lv.cut(s.sess)
@@ -328,7 +348,7 @@ func (s *sessionAttempt) ended() sessionResult {
 // leave starts leaving: rejected routes are advertised no more.
 func (s *sessionAttempt) leave() {
 	s.readv.schedule(false)
-	s.lv = s.a.startLeaving(s.sess)
+	s.lv = s.l.startLeaving(s.sess)
 }
 
 // onAck takes the newest AdvertiseAck: the answer to the Drain while
@@ -340,8 +360,8 @@ func (s *sessionAttempt) onAck() {
 	case s.lv != nil:
 		s.lv.answered(ack)
 	default:
-		s.routes.update(s.a.log, ack)
-		s.a.recordAck(ack)
+		s.routes.update(s.l.log(), ack)
+		s.l.recordAck(ack)
 		s.readv.onAck(ack)
 	}
 }
@@ -361,7 +381,9 @@ func (s *sessionAttempt) readvertise() {
 // deadline, so it reconnects.
 func (s *sessionAttempt) nodeDraining(grace time.Duration) {
 	s.stopDrainTimer()
-	s.a.live.setDraining()
+	if s.lv == nil { // a link leaving stays so
+		s.l.setState(StateDraining)
+	}
 	s.drainTimer = time.NewTimer(grace + s.a.drainMargin)
 }
 

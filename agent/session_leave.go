@@ -21,25 +21,28 @@ var errLeft = errors.New("agent shutting down")
 // connection is open nor being opened (only the node knows of the opens
 // it has under way), or until the grace is over.
 type leaving struct {
-	a         *Agent
+	l         *link
+	sess      *tunnelcore.Session
 	withdrawn bool // the node answered: nothing new will be routed here
 }
 
-// startLeaving sends the node Drain, with the grace Leave's ctx leaves.
-func (a *Agent) startLeaving(sess *tunnelcore.Session) *leaving {
+// startLeaving sends the node Drain, with the grace the link's leave
+// context leaves (Leave's, or the shutdown grace for a link leaving alone).
+func (l *link) startLeaving(sess *tunnelcore.Session) *leaving {
 	var grace time.Duration
 	graceText := "none (until told to stop)"
-	if dl, ok := a.leaveCtx.Deadline(); ok {
+	if dl, ok := l.leaveCtx.Deadline(); ok {
 		grace = max(time.Until(dl), time.Millisecond)
 		graceText = grace.Round(time.Millisecond).String()
 	}
-	a.log.Info("leaving the node: no new connections; waiting for the open ones to finish",
-		zap.Int("connections", a.conn.Active()), zap.String("grace", graceText))
+	l.setState(StateLeaving)
+	l.log().Info("leaving the node: no new connections; waiting for the open ones to finish",
+		zap.String("reason", l.leaveWhy), zap.Int("connections", sess.NumConns()), zap.String("grace", graceText))
 	_ = sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{
 		GraceMs: uint32(min(grace, time.Duration(math.MaxUint32)*time.Millisecond) / time.Millisecond),
-		Reason:  errLeft.Error(),
+		Reason:  l.leaveWhy,
 	}}})
-	return &leaving{a: a}
+	return &leaving{l: l, sess: sess}
 }
 
 // answered takes an AdvertiseAck that came while leaving. The node answers
@@ -50,7 +53,7 @@ func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
 		return
 	}
 	l.withdrawn = true
-	l.a.log.Debug("node withdrew the routes", zap.Int("connections", l.a.conn.Active()))
+	l.l.log().Debug("node withdrew the routes", zap.Int("connections", l.sess.NumConns()))
 }
 
 // ended logs the end of the session. The node ends it without an error
@@ -59,22 +62,23 @@ func (l *leaving) answered(ack *tunnelpb.AdvertiseAck) {
 func (l *leaving) ended(err error, nodeDrained bool) {
 	code, msg := statusOf(err)
 	clean := code == codes.OK || code == codes.Unknown
+	log := l.l.log()
 	switch {
 	case clean && l.withdrawn && !nodeDrained:
-		l.a.log.Info("left the node: every connection finished")
+		log.Info("left the node: every connection finished")
 	case clean: // the node ended it otherwise (it shut down, say)
-		l.a.log.Info("session ended while leaving", zap.String("reason", msg))
+		log.Info("session ended while leaving", zap.String("reason", msg))
 	default:
-		l.a.log.Warn("session ended while leaving", zap.String("reason", msg), zap.String("code", code.String()))
+		log.Warn("session ended while leaving", zap.String("reason", msg), zap.String("code", code.String()))
 	}
 }
 
 // cut ends the session when the grace is over, or on a second signal.
 func (l *leaving) cut(sess *tunnelcore.Session) {
 	why := "shutdown grace over"
-	if !errors.Is(l.a.leaveCtx.Err(), context.DeadlineExceeded) {
+	if !errors.Is(l.l.leaveCtx.Err(), context.DeadlineExceeded) {
 		why = "told to stop now"
 	}
-	l.a.log.Warn(why+"; cutting the connections still open", zap.Int("connections", l.a.conn.Active()))
+	l.l.log().Warn(why+"; cutting the connections still open", zap.Int("connections", sess.NumConns()))
 	sess.CloseWithError(errLeft)
 }

@@ -26,7 +26,7 @@ func init() {
 //	GET /sluice/status                  every node: limits and their use, sessions, routes, port claims
 //	GET /sluice/lookup?host=H           which agent serves a host now (also name=N, server_name=S, port=P)
 //	GET /sluice/health                  200 while the process serves
-//	GET /sluice/ready                   200 when every node serves and none drains, else 503 and why
+//	GET /sluice/ready                   200 when every node serves, is past its warmup and none drains, else 503 and why
 //	POST /sluice/certificates           issue a client certificate for a credential (IssueRequest)
 //
 // Each GET takes `listen=ADDRESS` to pick one node (its control address or
@@ -234,8 +234,9 @@ func (a *AdminAPI) handleHealth(w http.ResponseWriter, r *http.Request) error {
 	return writeJSON(w, http.StatusOK, HealthResponse{Status: "live", Nodes: nodesHealth(nodes)})
 }
 
-// handleReady is readiness: 200 when every selected node serves and none
-// drains, else 503 naming each node's reason. With no node at all the
+// handleReady is readiness: 200 when every selected node serves, is past
+// its warm-up and none drains (the process exiting included), else 503
+// naming each node's reason (node.readiness). With no node at all the
 // process tunnels nothing: not ready.
 func (a *AdminAPI) handleReady(w http.ResponseWriter, r *http.Request) error {
 	if err := onlyGet(r); err != nil {

@@ -183,14 +183,27 @@ type App struct {
 
 	// NodeID is the `node` label of every metric this node reports into
 	// Caddy's metrics registry, so series from several nodes stay apart
-	// once scraped together. Default: the host name.
+	// once scraped together, the node_id field of its log lines, and its
+	// id among the members of a cluster. Default: the host name; required
+	// with Cluster.
 	NodeID string `json:"node_id,omitempty"`
+
+	// Warmup keeps readiness (/sluice/ready, `sluice_health ready`) down
+	// this long after the control plane started serving, so agents connect
+	// before a load balancer sends the node traffic. A reload does not
+	// start it again. Default 0: none.
+	Warmup caddy.Duration `json:"warmup,omitempty"`
+
+	// Cluster makes the node one of several that every agent connects to
+	// (see Cluster). Default: none; agents are told of no other node.
+	Cluster *Cluster `json:"cluster,omitempty"`
 
 	token     string         // the unscoped token; "": none
 	creds     *credentialSet // every credential, the token's included
 	ctls      *controlTLS    // the control plane's TLS; nil: plaintext
 	portRange portRange
 	node      *node
+	members   *membership                  // the cluster's; nil: none
 	listen    func() (net.Listener, error) // binds the control address (node.serve)
 	logger    *zap.Logger
 
@@ -219,7 +232,15 @@ func (App) CaddyModule() caddy.ModuleInfo {
 // Provision resolves the token and takes (or creates) the node for the
 // control address.
 func (a *App) Provision(ctx caddy.Context) error {
-	a.logger = ctx.Logger()
+	if err := a.provisionCluster(); err != nil {
+		return err
+	}
+	if a.NodeID == "" {
+		a.NodeID = defaultNodeID()
+	}
+	// Every line the node logs names it: several nodes' logs are often
+	// read together.
+	a.logger = ctx.Logger().With(zap.String("node_id", a.NodeID))
 	if a.Listen == "" {
 		a.Listen = DefaultListen
 	}
@@ -240,9 +261,6 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	if a.DrainGrace == 0 {
 		a.DrainGrace = caddy.Duration(10 * time.Second)
-	}
-	if a.NodeID == "" {
-		a.NodeID = defaultNodeID()
 	}
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
@@ -315,7 +333,7 @@ func (a *App) Validate() error {
 		"max_connections_per_address": int64(a.MaxConnectionsPerAddress), "tunnel_budget": a.TunnelBudget,
 		"max_sessions": int64(a.MaxSessions), "max_sessions_per_address": int64(a.MaxSessionsPerAddress),
 		"max_pending_streams": int64(a.MaxPendingStreams), "max_pending_streams_per_address": int64(a.MaxPendingStreamsPerAddress),
-		"drain_grace": int64(a.DrainGrace),
+		"drain_grace": int64(a.DrainGrace), "warmup": int64(a.Warmup),
 	} {
 		if v < 0 {
 			return fmt.Errorf("sluice: %s must not be negative", name)
@@ -462,9 +480,14 @@ func (a *App) Start() error {
 		noDataLane:          a.DisableDataLane,
 		noDirectSockets:     a.DisableDirectSockets,
 		nodeID:              a.NodeID,
+		warmup:              time.Duration(a.Warmup),
+		cluster:             a.members,
 	}
 	a.prev.opts = a.node.opts.Swap(a.applied)
 	a.node.applyPortOptions(a.prev.opts, a.applied)
+	if a.members != nil {
+		a.logger.Info("sluice cluster", zap.Strings("members", memberIDs(a.members)), zap.Duration("warmup", time.Duration(a.Warmup)))
+	}
 	return a.node.serve(a.listen)
 }
 
@@ -485,6 +508,7 @@ func (a *App) Stop() error {
 	if !a.node.opts.CompareAndSwap(a.applied, a.prev.opts) {
 		// A newer config took over (a normal reload): it is committed now.
 		a.node.applyCredentials()
+		a.node.pushMembership()
 		return nil
 	}
 	a.node.creds.Store(a.prev.creds)
@@ -496,6 +520,7 @@ func (a *App) Stop() error {
 	a.node.budget.SetLimit(a.prev.budget)
 	a.node.slots.SetLimit(a.prev.slots)
 	a.node.applyPortOptions(a.applied, a.prev.opts)
+	a.node.pushMembership() // to the sessions that registered under this config's
 	a.logger.Info("sluice: start rolled back; the previous configuration's settings are back")
 	return nil
 }

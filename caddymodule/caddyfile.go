@@ -68,7 +68,11 @@ func init() {
 //	    data_lane off                  # keep agents on the gRPC stream (proto/README §2.4)
 //	    direct_sockets off             # keep bulk connections on the lane (proto/README §2.5)
 //
-//	    node_id <id>                   # the `node` label of the metrics (default the host name)
+//	    node_id <id>                   # the `node` label of the metrics and node_id of the logs (default the host name)
+//	    warmup  <duration>             # readiness down this long after the control plane starts (default 0)
+//	    cluster {                      # every agent connects to every member (needs node_id and a token)
+//	        node <id> <url>            # grpc://host:port or grpcs://host:port; this node may omit its url
+//	    }
 //	}
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	app := new(App)
@@ -147,6 +151,10 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = offArg(d, opt, &a.DisableDirectSockets)
 		case "node_id":
 			err = singleArg(d, &a.NodeID)
+		case "warmup":
+			err = durationArg(d, &a.Warmup)
+		case "cluster":
+			err = a.unmarshalCluster(d)
 		default:
 			return d.Errf("sluice: unrecognized option %q", opt)
 		}

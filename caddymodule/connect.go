@@ -35,13 +35,14 @@ type tunnelService struct {
 	n *node
 }
 
-// ListNodes returns this node; a cluster's membership comes later. Its
-// caller authenticated in the tap (tapAuthenticate).
+// ListNodes returns the cluster's members, or this node alone (its node_id
+// and an empty url) without a cluster. Its caller authenticated in the tap
+// (tapAuthenticate).
 func (s *tunnelService) ListNodes(ctx context.Context, _ *tunnelpb.ListNodesRequest) (*tunnelpb.NodeList, error) {
 	if _, err := authenticated(ctx); err != nil {
 		return nil, err
 	}
-	return &tunnelpb.NodeList{Nodes: []*tunnelpb.Node{{Id: s.n.id}}}, nil
+	return &tunnelpb.NodeList{Nodes: s.n.members()}, nil
 }
 
 // Connect serves one agent stream through the stages of a session on the
@@ -260,6 +261,10 @@ func (h *handshake) register() {
 		oldRoutes = old.currentRoutes(&n.reg.mu)
 	}
 	n.sendAck(a, rejected)
+	// The members follow the ack, and from then on each change of them
+	// (pushMembership): an agent learns of the other nodes only once this
+	// one admitted it.
+	n.sendMembershipLocked(a, n.opts.Load())
 	n.noticeOverlapsLocked(a, entries, oldRoutes)
 	h.logConnected(entries, len(rejected))
 }
@@ -502,7 +507,7 @@ func checkAdvertise(r recvResult) (*tunnelpb.Advertise, error) {
 // credentials serve too. Callers hold admitMu.
 func (n *node) sendAck(a *agentSession, rejected []*tunnelpb.RejectedRoute) {
 	// Build names the node to the agent, which logs it on connect.
-	ack := &tunnelpb.AdvertiseAck{NodeId: n.id, InitialWindow: tunnelcore.InitialWindow, Rejected: rejected,
+	ack := &tunnelpb.AdvertiseAck{NodeId: n.ackNodeID(n.opts.Load()), InitialWindow: tunnelcore.InitialWindow, Rejected: rejected,
 		Build: tunnelpb.Build("sluice-node", ""), Credential: a.credName}
 	if !a.leaving.Load() {
 		routes := a.currentRoutes(&n.reg.mu)

@@ -132,7 +132,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.app = app
-	h.logger = ctx.Logger()
+	h.logger = ctx.Logger().With(zap.String("node_id", app.NodeID)) // as the node's own lines
 	h.laxClientIPWarn = new(sync.Once)
 	// reverse_proxy's Provision makes its connection table right after
 	// loading the events app; load that first so a failure there is ours.

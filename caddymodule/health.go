@@ -24,11 +24,13 @@ func init() {
 // answers and ends the handler chain, 200 or 503 with a small JSON body
 // ({"status":"ready"}, {"status":"not_ready","reason":"draining"}).
 //
-// Readiness is down while the node drains (the process is exiting), until
-// its control listener serves, and while the site's server is shutting
-// down (Caddy's shutdown_delay, {http.shutting_down}): a load balancer
-// routes around the node before its listeners close. Put it behind a
-// matcher for the probe's path, e.g. `handle /ready { sluice_health }`.
+// Readiness is down while the node drains (from the moment the process
+// begins to exit), until its control listener serves and its warmup has
+// passed (agents connect before traffic comes), and while the site's
+// server is shutting down (Caddy's shutdown_delay, {http.shutting_down}):
+// a load balancer routes around the node before its listeners close. Put
+// it behind a matcher for the probe's path, e.g. `handle /ready {
+// sluice_health }`.
 type Health struct {
 	// Check is what the answer says: "ready" (default; the node takes
 	// agents and traffic) or "live" (the process serves: always 200).

@@ -116,6 +116,8 @@ type nodeOptions struct {
 	noDataLane          bool          // offer agents no data lane (App.DisableDataLane)
 	noDirectSockets     bool          // offer agents no direct sockets (App.DisableDirectSockets)
 	nodeID              string        // the node label of its metrics (App.NodeID)
+	warmup              time.Duration // readiness down this long after the listener started serving (App.Warmup)
+	cluster             *membership   // the cluster's members (App.Cluster); nil: none
 }
 
 // nodeKey identifies a node in the pool.
@@ -213,7 +215,7 @@ func (n *node) serve(listen func() (net.Listener, error)) error {
 		return err
 	}
 	n.listener, n.serveState, n.serveDone = ln, serveServing, make(chan struct{})
-	n.started = time.Now().UTC()
+	n.started = time.Now() // with its monotonic reading: warm-up compares against it
 	n.id = ln.Addr().String()
 	n.guard.Listener = ln
 	go func() {
@@ -225,11 +227,12 @@ func (n *node) serve(listen func() (net.Listener, error)) error {
 	return nil
 }
 
-// servingSince returns when the node started serving; zero before.
+// servingSince returns when the node started serving, in UTC; zero
+// before. A reload keeps it: the node serves on.
 func (n *node) servingSince() time.Time {
 	n.serveMu.Lock()
 	defer n.serveMu.Unlock()
-	return n.started
+	return n.started.UTC()
 }
 
 // stopServing stops the gRPC server (closing the listener and every

@@ -67,8 +67,12 @@ type agentSession struct {
 	// later ack that only tells of changed overlaps. Guarded by
 	// node.admitMu.
 	rejected []*tunnelpb.RejectedRoute
-	lane     bool // its frames run on the data lane the agent attached, not the gRPC stream
-	idValue  any  // agentID, boxed once for the request placeholders (setServedBy)
+	// members is the cluster membership the session was last told of
+	// (membership.key; "": none), so a reload that does not change it
+	// tells nothing. Guarded by node.admitMu.
+	members string
+	lane    bool // its frames run on the data lane the agent attached, not the gRPC stream
+	idValue any  // agentID, boxed once for the request placeholders (setServedBy)
 	// endedToClients and endedFromClients are the payload bytes of the
 	// session's connections that ended (node.connEnded).
 	endedToClients, endedFromClients atomic.Int64

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+
 	"github.com/sluice-tunnel/sluice/internal/route"
 	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
@@ -28,17 +30,38 @@ type NodeStatus struct {
 	Address string `json:"address,omitempty"`
 	TLS     bool   `json:"tls"`
 	// Ready and Reason are readiness (GET /sluice/ready).
-	Ready    bool         `json:"ready"`
-	Reason   string       `json:"reason,omitempty"`
-	Draining bool         `json:"draining"`
-	Limits   LimitsStatus `json:"limits"`
-	Totals   TotalsStatus `json:"totals"`
+	Ready    bool   `json:"ready"`
+	Reason   string `json:"reason,omitempty"`
+	Draining bool   `json:"draining"`
+	// ServingSince is when the control listener started serving (absent
+	// before); a reload keeps it, and the warm-up with it.
+	ServingSince time.Time `json:"serving_since,omitzero"`
+	// Warmup is the configured warm-up ("2s"; absent: none). WarmingUp:
+	// readiness is down for it until WarmupEnds.
+	Warmup     string    `json:"warmup,omitempty"`
+	WarmingUp  bool      `json:"warming_up"`
+	WarmupEnds time.Time `json:"warmup_ends,omitzero"`
+	// Members are the cluster's members, as agents are told of them
+	// (absent without a cluster).
+	Members []MemberStatus `json:"members,omitempty"`
+	Limits  LimitsStatus   `json:"limits"`
+	Totals  TotalsStatus   `json:"totals"`
 	// Sessions are the agents' sessions by agent id, leaving ones
 	// included.
 	Sessions []SessionStatus `json:"sessions"`
 	// Ports are the ports the node binds for listen-port routes
 	// (tcp_port_range).
 	Ports []PortStatus `json:"ports"`
+}
+
+// MemberStatus is one member of the node's cluster.
+type MemberStatus struct {
+	ID string `json:"id"`
+	// URL is where agents dial it; empty: where they reached the node
+	// that told them (this node's own entry, unless configured).
+	URL string `json:"url,omitempty"`
+	// Local: the member is this node.
+	Local bool `json:"local,omitempty"`
 }
 
 // Usage is one limit and how much of it is taken. A Limit of 0 is no
@@ -148,13 +171,20 @@ func (k *directKeys) sessions() map[*tunnelcore.Session]bool {
 }
 
 // readiness reports whether n takes agents and traffic: it serves its
-// control listener and is not draining; else why not.
+// control listener, its warm-up is over, and it is not draining; else why
+// not.
+//
+// Draining includes the process exiting (caddy.Exiting): watchExit sets
+// draining within its tick, but a load balancer's probe in that tick
+// must already see the node going, before the HTTP servers stop. Warm-up
+// is a comparison of times here, not a timer: nothing has to run for it
+// to end.
 func (n *node) readiness() (ready bool, reason string) {
-	if n.draining.Load() {
-		return false, "draining"
+	if n.draining.Load() || caddy.Exiting() {
+		return false, reasonDraining
 	}
 	n.serveMu.Lock()
-	state := n.serveState
+	state, started := n.serveState, n.started
 	n.serveMu.Unlock()
 	switch state {
 	case serveIdle:
@@ -162,7 +192,25 @@ func (n *node) readiness() (ready bool, reason string) {
 	case serveStopped:
 		return false, "control listener shut down"
 	}
+	if warmupLeft(started, n.opts.Load().warmup, time.Now()) > 0 {
+		return false, reasonWarmingUp
+	}
 	return true, ""
+}
+
+// Reasons of readiness a load balancer's probe reports.
+const (
+	reasonDraining  = "draining"
+	reasonWarmingUp = "warming up"
+)
+
+// warmupLeft is how much of warmup is left at now for a listener that
+// started serving at started; 0 when none is.
+func warmupLeft(started time.Time, warmup time.Duration, now time.Time) time.Duration {
+	if warmup <= 0 || started.IsZero() {
+		return 0
+	}
+	return max(started.Add(warmup).Sub(now), 0)
 }
 
 // status snapshots n.
@@ -177,12 +225,36 @@ func (n *node) status() NodeStatus {
 	if n.listener != nil {
 		st.Address = n.listener.Addr().String()
 	}
+	started := n.started
 	n.serveMu.Unlock()
+	n.clusterStatus(&st, started, time.Now())
 	direct := n.direct.sessions()
 	for _, a := range n.reg.sessions() {
 		st.Sessions = append(st.Sessions, snapshotSession(n.reg, a, direct[a.sess]))
 	}
 	return st
+}
+
+// clusterStatus fills in st's warm-up, for a listener that started
+// serving at started, and the members.
+func (n *node) clusterStatus(st *NodeStatus, started, now time.Time) {
+	o := n.opts.Load()
+	if !started.IsZero() {
+		st.ServingSince = started.UTC()
+	}
+	if o.warmup > 0 {
+		st.Warmup = o.warmup.String()
+		if !started.IsZero() {
+			st.WarmupEnds = started.Add(o.warmup).UTC()
+			st.WarmingUp = warmupLeft(started, o.warmup, now) > 0
+		}
+	}
+	if o.cluster == nil {
+		return
+	}
+	for _, m := range o.cluster.nodes {
+		st.Members = append(st.Members, MemberStatus{ID: m.GetId(), URL: m.GetUrl(), Local: m.GetId() == o.nodeID})
+	}
 }
 
 func (n *node) limitsStatus() LimitsStatus {
