@@ -14,7 +14,7 @@ import (
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
-func register(t *testing.T, r *registry, id string, routes ...*tunnelpb.Route) *agentSession {
+func register(t testing.TB, r *registry, id string, routes ...*tunnelpb.Route) *agentSession {
 	t.Helper()
 	a := &agentSession{agentID: id}
 	entries, rejected := validateRoutes(routes)
