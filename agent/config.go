@@ -142,6 +142,8 @@ type Upstream struct {
 	// ":<listen_port>", or "*" for the catch-all upstream. A tcp://
 	// upstream with a name and no host, host pattern or listen port is a
 	// named service: layer4's `sluice NAME` reaches it, HTTP never does.
+	// A udp:// upstream is reached by its name (a layer4 UDP server's
+	// `sluice NAME`) or its listen port, and needs one of them.
 	Name string `yaml:"name"`
 	// Host is an exact host name or IP address, without port, lowercased
 	// by Validate, which also removes the brackets around an IPv6 address
@@ -152,9 +154,12 @@ type Upstream struct {
 	// The node matches it against the lower-cased host, so it must be lower
 	// case unless it starts with (?i).
 	HostPattern string `yaml:"host_pattern"`
-	// Target is http://host:port, https://host:port or tcp://host:port.
-	// Validate rewrites it as scheme://host:port with a lower-case scheme,
-	// the form the node is sent.
+	// Target is http://host:port, https://host:port, tcp://host:port or
+	// udp://host:port. Validate rewrites it as scheme://host:port with a
+	// lower-case scheme, the form the node is sent. A udp:// upstream gets
+	// each client address's datagrams in a flow of its own, which the
+	// agent relays over a UDP socket of its own to the target (so replies
+	// go back to that client alone).
 	Target string `yaml:"target"`
 	// RewriteHost is the Host header the upstream expects; empty keeps the
 	// client's. Routes that take HTTP only (not listen_port,
@@ -167,8 +172,8 @@ type Upstream struct {
 	// a tcp:// target.
 	TLSPassthrough bool `yaml:"tls_passthrough"`
 	// ListenPort (1..65535) asks the node to bind this TCP port and relay it
-	// verbatim; requires a tcp:// target and excludes Host, HostPattern and
-	// TLSPassthrough.
+	// verbatim (a tcp:// target), or this UDP port and carry its datagrams
+	// (a udp:// target); excludes Host, HostPattern and TLSPassthrough.
 	ListenPort int `yaml:"listen_port"`
 	// ProxyProtocol is "", "v1" or "v2" (tcp:// targets only): the PROXY
 	// protocol header the agent sends to the upstream.
@@ -190,8 +195,12 @@ type Upstream struct {
 	// long; 0 keeps the node's default, otherwise at least 1ms (the wire
 	// carries milliseconds). YAML takes Go durations ("30s").
 	VerbatimIdleTimeout time.Duration `yaml:"verbatim_idle_timeout"`
+	// UDPIdleTimeout ends a udp:// upstream's flow (and closes its
+	// socket) after this long without a datagram either way; the node is
+	// told it too. 0: 60 s; otherwise at least 1ms.
+	UDPIdleTimeout time.Duration `yaml:"udp_idle_timeout"`
 
-	scheme   string         // parsed Target: http, https or tcp
+	scheme   string         // parsed Target: http, https, tcp or udp
 	hostport string         // parsed Target: host:port
 	pattern  *regexp.Regexp // compiled ^(?:HostPattern)$
 	// patternInsts is the size of pattern's program (hostname.CompilePattern).
@@ -248,7 +257,7 @@ func (c *Config) ZapLevel() zapcore.Level {
 }
 
 // TargetURL returns the parsed Target (valid after Validate): scheme is
-// "http", "https" or "tcp" and hostport is the address to dial.
+// "http", "https", "tcp" or "udp" and hostport is the address to dial.
 func (u Upstream) TargetURL() (scheme, hostport string) {
 	return u.scheme, u.hostport
 }
@@ -299,6 +308,12 @@ func (u Upstream) IsNamedService() bool {
 // too.
 func (u Upstream) isTCP() bool {
 	return u.scheme == "tcp" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(u.Target)), "tcp://")
+}
+
+// isUDP reports whether the target is udp://, before Validate parsed it
+// too.
+func (u Upstream) isUDP() bool {
+	return u.scheme == "udp" || strings.HasPrefix(strings.ToLower(strings.TrimSpace(u.Target)), "udp://")
 }
 
 // compilePattern compiles a host pattern as the node does, within the
@@ -904,6 +919,8 @@ func (u *Upstream) routeKey() (key, what string) {
 	switch u.kind {
 	case route.ListenPort:
 		return fmt.Sprintf("port:%d", u.ListenPort), fmt.Sprintf("listen_port %d", u.ListenPort)
+	case route.UDPListenPort: // a port number is one TCP port and one UDP port
+		return fmt.Sprintf("udp-port:%d", u.ListenPort), fmt.Sprintf("udp listen_port %d", u.ListenPort)
 	case route.PassthroughHost:
 		return "sni:" + u.Host, fmt.Sprintf("tls_passthrough host %q", u.Host)
 	case route.Host, route.TCPHost:
@@ -937,6 +954,7 @@ func (u *Upstream) validate(field string) []error {
 	u.validateRewriteHost(&p)
 	u.validateCIDRs(&p)
 	u.validateIdleTimeout(&p)
+	u.validateUDPIdleTimeout(&p)
 	return p.errs
 }
 
@@ -946,7 +964,7 @@ func (u *Upstream) validateTarget(p *problems) {
 	u.Target = strings.TrimSpace(u.Target)
 	if u.Target == "" {
 		p.add("target", "required")
-	} else if scheme, hostport, err := parseURL(u.Target, "http, https or tcp", "http", "https", "tcp"); err != nil {
+	} else if scheme, hostport, err := parseURL(u.Target, "http, https, tcp or udp", "http", "https", "tcp", "udp"); err != nil {
 		p.add("target", "%v", err)
 	} else {
 		u.scheme, u.hostport = scheme, hostport
@@ -1049,8 +1067,8 @@ func (u *Upstream) classify(p *problems) {
 // fields, whatever else is wrong with the route. An invalid target is
 // reported already.
 func (u *Upstream) checkVerbatimTarget(p *problems) {
-	if u.scheme == "" || u.scheme == "tcp" {
-		return
+	if u.scheme == "" || u.scheme == "tcp" || u.scheme == "udp" {
+		return // a udp:// route's fields are route.Classify's to check
 	}
 	if u.TLSPassthrough {
 		p.add("tls_passthrough", "requires a tcp:// target")
@@ -1065,7 +1083,7 @@ func (u *Upstream) checkVerbatimTarget(p *problems) {
 // and for a route of unknown kind (reported already) by its target.
 func (u *Upstream) takesHTTP() bool {
 	if u.kind == route.Invalid {
-		return !u.isTCP()
+		return !u.isTCP() && !u.isUDP()
 	}
 	return u.kind.TakesHTTP()
 }
@@ -1191,4 +1209,19 @@ func stripBrackets(h string) (string, error) {
 		return "", fmt.Errorf("%q: brackets are only allowed around an IPv6 address, without port", h)
 	}
 	return inner, nil
+}
+
+// validateUDPIdleTimeout checks UDPIdleTimeout against what the wire
+// carries (whole milliseconds in a uint32), on a udp:// target only.
+func (u *Upstream) validateUDPIdleTimeout(p *problems) {
+	switch d := u.UDPIdleTimeout; {
+	case d < 0:
+		p.add("udp_idle_timeout", "must be >= 0, got %v", d)
+	case d > 0 && d < time.Millisecond:
+		p.add("udp_idle_timeout", "must be 0 or at least 1ms, got %v", d)
+	case d > maxIdleTimeout:
+		p.add("udp_idle_timeout", "must be at most %v", maxIdleTimeout)
+	case d > 0 && u.scheme != "" && u.scheme != "udp":
+		p.add("udp_idle_timeout", "only valid with a udp:// target")
+	}
 }

@@ -241,7 +241,7 @@ func TestValidateErrors(t *testing.T) {
 		{"server path", func(c *Config) { c.Server = "grpc://a:1/x" }, `server: "grpc://a:1/x": path "/x" not allowed`},
 		{"server no scheme", func(c *Config) { c.Server = "a:1" }, `server: "a:1" has no scheme (want grpc or grpcs, as in grpc://host:port)`},
 		{"server IP without scheme", func(c *Config) { c.Server = "127.0.0.1:8001" }, `server: "127.0.0.1:8001" has no scheme`},
-		{"target without scheme", func(c *Config) { up(c).Target = "127.0.0.1:3000" }, `target: "127.0.0.1:3000" has no scheme (want http, https or tcp, as in http://host:port)`},
+		{"target without scheme", func(c *Config) { up(c).Target = "127.0.0.1:3000" }, `target: "127.0.0.1:3000" has no scheme (want http, https, tcp or udp, as in http://host:port)`},
 		{"insecure with grpc", func(c *Config) { c.Server = "grpc://a:1"; c.Insecure = true }, "insecure: only valid with a grpcs:// server"},
 		{"ca_file with grpc", func(c *Config) { c.Server = "grpc://a:1"; c.CAFile = ca }, "ca_file: only valid with a grpcs:// server"},
 		{"ca_file and insecure", func(c *Config) { c.CAFile = ca; c.Insecure = true }, "ca_file: insecure and ca_file are mutually exclusive"},
@@ -271,7 +271,23 @@ func TestValidateErrors(t *testing.T) {
 		{"name too long", func(c *Config) { up(c).Name = strings.Repeat("é", 129) }, "upstreams[0].name: name of 258 bytes: the node takes at most 256"},
 		{"host_pattern too long for a name", func(c *Config) { up(c).Host, up(c).HostPattern = "", strings.Repeat("a", 257) }, "upstreams[0].name: name (host_pattern by default; set a shorter name) of 257 bytes"},
 		{"target required", func(c *Config) { up(c).Target = "" }, "upstreams[0].target: required"},
-		{"target scheme", func(c *Config) { up(c).Target = "ftp://a:21" }, `upstreams[0].target: scheme "ftp" not supported (want http, https or tcp)`},
+		{"target scheme", func(c *Config) { up(c).Target = "ftp://a:21" }, `upstreams[0].target: scheme "ftp" not supported (want http, https, tcp or udp)`},
+		{"udp without name or port", func(c *Config) { up(c).Host, up(c).Target = "", "udp://a:53" },
+			`upstreams[0].target: a udp:// target needs a name other than "*" or a listen_port`},
+		{"udp with host", func(c *Config) { up(c).Target = "udp://a:53" }, "upstreams[0].host: cannot be combined with a udp:// target"},
+		{"udp passthrough", func(c *Config) { c.Upstreams[1].Target = "udp://a:53" }, "upstreams[1].tls_passthrough: cannot be combined with a udp:// target"},
+		{"udp proxy_protocol", func(c *Config) { c.Upstreams[2].Target, c.Upstreams[2].ProxyProtocol = "udp://a:53", "v2" },
+			"upstreams[2].proxy_protocol: only valid with a tcp:// target"},
+		{"udp verbatim_idle_timeout", func(c *Config) { c.Upstreams[2].Target, c.Upstreams[2].VerbatimIdleTimeout = "udp://a:53", time.Second },
+			"upstreams[2].verbatim_idle_timeout: only valid with a tcp:// target"},
+		{"udp_idle_timeout on tcp", func(c *Config) { c.Upstreams[2].UDPIdleTimeout = time.Second }, "upstreams[2].udp_idle_timeout: only valid with a udp:// target"},
+		{"udp_idle_timeout below 1ms", func(c *Config) { c.Upstreams[2].Target, c.Upstreams[2].UDPIdleTimeout = "udp://a:53", time.Microsecond },
+			"upstreams[2].udp_idle_timeout: must be 0 or at least 1ms"},
+		{"udp_idle_timeout negative", func(c *Config) { c.Upstreams[2].Target, c.Upstreams[2].UDPIdleTimeout = "udp://a:53", -time.Second },
+			"upstreams[2].udp_idle_timeout: must be >= 0"},
+		{"duplicate udp listen_port", func(c *Config) {
+			c.Upstreams = append(c.Upstreams, Upstream{Name: "u1", ListenPort: 5353, Target: "udp://b:53"}, Upstream{Name: "u2", ListenPort: 5353, Target: "udp://b:54"})
+		}, `upstreams[4]: udp listen_port 5353 already served by upstreams[3]`},
 		{"target scheme checked first", func(c *Config) { up(c).Target = "ftp://a" }, `upstreams[0].target: scheme "ftp" not supported`},
 		{"target without scheme", func(c *Config) { up(c).Target = "127.0.0.1:3000" }, "upstreams[0].target: "},
 		{"target port", func(c *Config) { up(c).Target = "http://127.0.0.1" }, "upstreams[0].target: \"http://127.0.0.1\": port required"},
@@ -724,6 +740,9 @@ func TestAdvertisedRoutesClassifyAsValidated(t *testing.T) {
 		route.PassthroughPattern: `host_pattern=.*\.db\.example\.com,target=tcp://127.0.0.1:5433,tls_passthrough`,
 		route.NamedTCP:           "name=redis,target=tcp://127.0.0.1:6379",
 		route.ListenPort:         "listen_port=16379,target=tcp://127.0.0.1:6380",
+		route.NamedUDP:           "name=dns,target=udp://127.0.0.1:53,udp_idle_timeout=30s",
+		// The same number as the TCP one: a port number is one port of each.
+		route.UDPListenPort: "name=dns-port,listen_port=16379,target=udp://127.0.0.1:5353",
 	}
 	var ups []Upstream
 	var want []route.Kind
@@ -752,6 +771,9 @@ func TestAdvertisedRoutesClassifyAsValidated(t *testing.T) {
 		got, err := route.Classify(rt)
 		if err != nil || got != want[i] || u.Kind() != want[i] {
 			t.Errorf("%s: validated as %v, advertised as %v (%v); want %v", specs[want[i]], u.Kind(), got, err, want[i])
+		}
+		if got == route.NamedUDP && rt.GetUdpIdleTimeoutMs() != 30000 {
+			t.Errorf("%s: advertised udp_idle_timeout_ms %d, want 30000", specs[want[i]], rt.GetUdpIdleTimeoutMs())
 		}
 		if u.IsCatchAll() != (got == route.CatchAll) || u.IsNamedService() != (got == route.NamedTCP) {
 			t.Errorf("%s: IsCatchAll %v, IsNamedService %v for a %v route", specs[want[i]], u.IsCatchAll(), u.IsNamedService(), got)

@@ -106,6 +106,14 @@ func (c *connector) serve(ctx context.Context, conn *tunnelcore.Conn) {
 		return
 	}
 	rep.Target = up.cfg.Target
+	if conn.Datagram() != (up.scheme == "udp") {
+		// Strict forwarding: a flow goes to a udp:// target only, a
+		// connection never to one.
+		c.log.Debug("connection of the wrong kind for its route refused", zap.String("route", rep.Route),
+			zap.Bool("datagram", conn.Datagram()), zap.String("target", up.cfg.Target))
+		c.refuse(conn, &rep, ConnUnknownRoute, tunnelpb.Error_REFUSED, mismatchMessage(rep.Route, conn.Datagram()))
+		return
+	}
 	if !c.acquire() {
 		if ok, suppressed := c.limitLog.Allow(); ok {
 			c.log.Warn("connection limit reached; connection refused", zap.String("route", rep.Route),
@@ -193,6 +201,10 @@ func (c *connector) dialFailed(conn *tunnelcore.Conn, up *upstream, msg string, 
 
 // handle dials conn's upstream and relays; rep gets how it ended.
 func (c *connector) handle(ctx context.Context, conn *tunnelcore.Conn, up *upstream, rep *ConnReport) {
+	if conn.Datagram() {
+		c.handleFlow(ctx, conn, up, rep)
+		return
+	}
 	uc, err := c.dial(ctx, up)
 	if err != nil {
 		rep.Outcome, rep.Err = c.dialError(ctx, conn, up, err)

@@ -220,10 +220,13 @@ Upstream spec (-upstream, %s):
   keys: name host host_pattern target rewrite_host insecure_skip_verify
         tls_passthrough listen_port proxy_protocol force_http1
         allowed_cidrs (repeatable) verbatim_idle_timeout (e.g. 30s)
+        udp_idle_timeout (udp:// targets, default 60s)
   short form: HOST=TARGET[,key=value...], e.g. app.example.com=http://127.0.0.1:3000
   catch-all:  *=TARGET
   named TCP service: name=redis,target=tcp://127.0.0.1:6379, reached only
     by the node's layer4 route "sluice redis", never by HTTP
+  UDP: name=dns,target=udp://127.0.0.1:53 (a layer4 UDP server's "sluice dns")
+    or listen_port=5353,target=udp://127.0.0.1:53 (a UDP port of the node)
   https targets are always spoken to over HTTP/1.1 (force_http1 is implied),
   so an HTTP/2-only TLS upstream (e.g. gRPC over TLS) is not supported
   through an https:// target.
@@ -246,7 +249,7 @@ func (l *stringList) Set(s string) error {
 var specKeys = map[string]bool{
 	"name": false, "host": false, "host_pattern": false, "target": false,
 	"rewrite_host": false, "listen_port": false, "proxy_protocol": false,
-	"allowed_cidrs": false, "verbatim_idle_timeout": false,
+	"allowed_cidrs": false, "verbatim_idle_timeout": false, "udp_idle_timeout": false,
 	// boolean keys
 	"insecure_skip_verify": true, "tls_passthrough": true, "force_http1": true,
 }
@@ -430,6 +433,12 @@ func (p *specParser) set(key, val string) error {
 			return fmt.Errorf("verbatim_idle_timeout: invalid duration %q", val)
 		}
 		u.VerbatimIdleTimeout = d
+	case "udp_idle_timeout":
+		d, err := time.ParseDuration(val)
+		if err != nil {
+			return fmt.Errorf("udp_idle_timeout: invalid duration %q", val)
+		}
+		u.UDPIdleTimeout = d
 	}
 	return nil
 }

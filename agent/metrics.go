@@ -118,6 +118,7 @@ func (c collector) Describe(ch chan<- *prometheus.Desc) {
 		descLimit, descAdmitted, descLimitRejected, descBytes, descConns, descBuffered, descQueued, descBudget, descBuild} {
 		ch <- d
 	}
+	describeFlows(ch)
 }
 
 // Collect sends the agent's metrics as they are now.
@@ -142,6 +143,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	gauge(descBudget, float64(a.limits.Budget))
 	gauge(descBuild, 1, BuildString())
 	c.collectRoutes(counter)
+	collectFlows(&a.tunnel.Flows, gauge, counter)
 }
 
 // linkStates are the states sluice_node_session_state reports: those a

@@ -139,8 +139,10 @@ type Agent struct {
 	sessions atomic.Int64       // sessions acknowledged so far, all links
 	budget   *tunnelcore.Budget // windows above 64 KiB, shared by the agent's sessions
 	limits   tunnelcore.Limits  // as derived from the config (agentLimits)
-	// counters feed the admin listener's metrics and status.
+	// counters feed the admin listener's metrics and status; tunnel
+	// counts what the sessions' datagram flows carried and dropped.
 	counters *connCounters
+	tunnel   tunnelcore.Counters
 	// adminAddr is the admin listener's address while it listens.
 	adminAddr atomic.Pointer[net.TCPAddr]
 	// nodeTLS is the TLS configuration of the connections to the nodes
@@ -552,6 +554,7 @@ func (a *Agent) advertise() *tunnelpb.Frame {
 			// Upstream.ForceHTTP1): the node must not send HTTP/2.
 			ForceHttp1:            u.ForceHTTP1 || scheme == "https",
 			VerbatimIdleTimeoutMs: uint32(u.VerbatimIdleTimeout / time.Millisecond),
+			UdpIdleTimeoutMs:      uint32(u.UDPIdleTimeout / time.Millisecond),
 			// Each connection's PROXY header names one client: the node
 			// must not pool them across clients.
 			ProxyProtocol: u.ProxyProtocol != "",

@@ -168,6 +168,7 @@ func (s *sessionAttempt) start() error {
 		Budget:     s.a.budget,
 		Progress:   s.tr.progress,
 		DirectDial: s.tr.directDial,
+		Counters:   &s.a.tunnel,
 		Logger:     s.l.log(),
 	})
 	if err != nil {

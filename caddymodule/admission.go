@@ -70,11 +70,12 @@ func (n *node) admit(a *agentSession, routes []*tunnelpb.Route, previous []*rout
 	opts := n.opts.Load()
 	kept := entries[:0]
 	for _, e := range entries {
-		if e.kind != route.ListenPort {
+		pm := n.portsOf(e.kind)
+		if pm == nil {
 			kept = append(kept, e)
 			continue
 		}
-		if err := n.ports.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
+		if err := pm.claim(e, opts); err != nil && !errors.Is(err, errNotBound) {
 			rejected = append(rejected, &tunnelpb.RejectedRoute{Name: routeName(e.route), ListenPort: e.route.GetListenPort(), Reason: err.Error()})
 			n.metrics.rejectRoutes(rejectPort, 1)
 			if ok, suppressed := n.portLog.Allow(); ok {
@@ -117,27 +118,47 @@ func (n *node) readmitLocked(a *agentSession, routes []*tunnelpb.Route) {
 
 // applyPortOptions re-admits the listen-port routes when the port options
 // changed from old to new in a way that matters: a different range, or a
-// different tcp_bind while a range is set (without one nothing is bound).
+// different tcp_bind (udp_bind) while a range is set (without one nothing
+// is bound).
 func (n *node) applyPortOptions(old, new *nodeOptions) {
-	rangeChanged := old.portRange != new.portRange
+	rangeChanged := old.portRange != new.portRange || old.udp.portRange != new.udp.portRange
 	rebind := old.tcpBind != new.tcpBind && (old.portRange.lo != 0 || new.portRange.lo != 0)
-	if rangeChanged || rebind {
-		n.portOptionsChanged(rebind)
+	rebindUDP := old.udp.bind != new.udp.bind && (old.udp.portRange.lo != 0 || new.udp.portRange.lo != 0)
+	if rangeChanged || rebind || rebindUDP {
+		n.portOptionsChanged(rebind, rebindUDP)
 	}
 }
 
+// portsOf is the port manager of the listen-port routes of kind k, nil
+// for the other kinds.
+func (n *node) portsOf(k route.Kind) *portManager {
+	switch k {
+	case route.ListenPort:
+		return n.ports
+	case route.UDPListenPort:
+		return n.udp.ports
+	}
+	return nil
+}
+
 // portOptionsChanged re-admits the listen-port routes of every session
-// after a reload changed tcp_port_range or tcp_bind: ports the new range
+// after a reload changed tcp_port_range, tcp_bind or their UDP twins: ports the new range
 // excludes are released (connections already relayed keep running) and
 // reported rejected to their agents, ports it now includes are bound at
-// once, and a new tcp_bind rebinds every port. Sessions without
-// listen-port routes are left alone, their pooled connections with them.
-func (n *node) portOptionsChanged(rebind bool) {
+// once, and a new tcp_bind (udp_bind) rebinds every TCP (UDP) port.
+// Sessions without listen-port routes are left alone, their pooled
+// connections with them.
+func (n *node) portOptionsChanged(rebind, rebindUDP bool) {
 	n.admitMu.Lock()
 	defer n.admitMu.Unlock()
 	sessions := n.reg.sessions()
 	if rebind {
 		n.ports.closeAll()
+	}
+	if rebindUDP {
+		n.udp.ports.closeAll()
+	}
+	if rebind || rebindUDP {
 		// Largest agent id first: a port's smaller ids then join the
 		// claim as its owner, and the larger ones stay as standbys (a
 		// claim refuses a larger id only once a smaller one holds it).
@@ -160,8 +181,8 @@ func (n *node) portOptionsChanged(rebind bool) {
 // releasePorts gives up the port claims of routes.
 func (n *node) releasePorts(routes []*routeEntry) {
 	for _, e := range routes {
-		if e.kind == route.ListenPort {
-			n.ports.release(e)
+		if pm := n.portsOf(e.kind); pm != nil {
+			pm.release(e)
 		}
 	}
 }

@@ -198,10 +198,15 @@ type App struct {
 	// (see Cluster). Default: none; agents are told of no other node.
 	Cluster *Cluster `json:"cluster,omitempty"`
 
+	// UDPOptions: claimed UDP ports and datagram flow limits
+	// (udp_options.go).
+	UDPOptions
+
 	token     string         // the unscoped token; "": none
 	creds     *credentialSet // every credential, the token's included
 	ctls      *controlTLS    // the control plane's TLS; nil: plaintext
 	portRange portRange
+	udpOpts   udpNodeOptions
 	node      *node
 	members   *membership                  // the cluster's; nil: none
 	listen    func() (net.Listener, error) // binds the control address (node.serve)
@@ -279,6 +284,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 	if a.portRange, err = parsePortRange(a.TCPPortRange); err != nil {
 		return fmt.Errorf("sluice: %w", err)
+	}
+	if a.udpOpts, err = a.UDPOptions.provision(); err != nil {
+		return err
 	}
 	na, err := caddy.ParseNetworkAddress(a.Listen)
 	if err != nil {
@@ -476,6 +484,7 @@ func (a *App) Start() error {
 		advertiseTimeout:    time.Duration(a.AdvertiseTimeout),
 		portRange:           a.portRange,
 		tcpBind:             a.TCPBind,
+		udp:                 a.udpOpts,
 		verbatimIdleTimeout: time.Duration(a.VerbatimIdleTimeout),
 		noDataLane:          a.DisableDataLane,
 		noDirectSockets:     a.DisableDirectSockets,
@@ -512,9 +521,9 @@ func (a *App) Stop() error {
 		return nil
 	}
 	a.node.creds.Store(a.prev.creds)
-	if a.prev.creds != nil {
-		a.node.endSessionsInvalidUnder(a.prev.creds) // those that came with this config's credentials
-	}
+	// Ends the sessions only this config's credentials let in, and scopes
+	// the others (also those that registered meanwhile) as before.
+	a.node.applyCredentials()
 	a.node.ctls.Store(a.prev.ctls)
 	a.node.logger.Store(a.prev.logger)
 	a.node.budget.SetLimit(a.prev.budget)

@@ -80,11 +80,16 @@ func (n *node) identify(ctx context.Context, header metadata.MD) (authn, bool) {
 			return authn{}, false
 		}
 		if byCert = set.byCertificate(chain); byCert != nil {
-			au.serial = serialKey(cert)
+			au.serial, au.ca = serialKey(cert), set.caID
 		}
 	}
 	switch {
 	case byToken != nil && byCert != nil && byToken != byCert:
+		return authn{}, false
+	case set.requireCert && byCert == nil:
+		// Any certificate of the CA passes the handshake (a tls internal
+		// site's too): with require, only a credential's certificate
+		// authenticates, never a token beside another certificate.
 		return authn{}, false
 	case byCert != nil:
 		au.cred = byCert
@@ -217,14 +222,4 @@ func sameScopeSource(a, b *credential) bool {
 		return a.source == b.source
 	}
 	return reflect.DeepEqual(a.source.Scope, b.source.Scope)
-}
-
-// endSessionsInvalidUnder ends the sessions that would not authenticate
-// under set (a rolled-back start restoring the previous credentials).
-func (n *node) endSessionsInvalidUnder(set *credentialSet) {
-	for _, a := range n.reg.sessions() {
-		if !set.stillValid(a.auth) {
-			a.sess.CloseWithError(errCredentialChanged)
-		}
-	}
 }

@@ -38,8 +38,8 @@ func init() {
 //	        client_identity <uri-or-dns-name> # a client certificate's URI or DNS SAN
 //	        hosts           <host|*.suffix|*>...
 //	        server_names    <name|*.suffix|*>...  # TLS passthrough
-//	        services        <name|*>...       # named TCP services
-//	        ports           <lo>-<hi>         # listen ports
+//	        services        <name|*>...       # named TCP and UDP services
+//	        ports           <lo>-<hi>         # listen ports (TCP and UDP)
 //	        patterns                          # may advertise host patterns
 //	        catch_all                         # may advertise the catch-all
 //	        max_sessions    <n>
@@ -52,6 +52,10 @@ func init() {
 //	    tcp_port_range    <lo>-<hi>        # ports agents may claim (listen-port routes)
 //	    tcp_bind          <host>           # where claimed ports bind (default all)
 //	    verbatim_idle_timeout <duration>   # close relayed TCP idle this long (default off)
+//	    udp_port_range    <lo>-<hi>        # UDP ports agents may claim (udp:// listen-port routes)
+//	    udp_bind          <host>           # where claimed UDP ports bind (default all)
+//	    max_udp_flows     <n>              # datagram flows open at once (default 8192)
+//	    max_udp_flows_per_address <n>      # of one client IP (default 1024)
 //
 //	    # limits (defaults derive from the memory limit; see App)
 //	    max_connections             <n>
@@ -156,7 +160,10 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "cluster":
 			err = a.unmarshalCluster(d)
 		default:
-			return d.Errf("sluice: unrecognized option %q", opt)
+			var ok bool
+			if ok, err = a.UDPOptions.unmarshalUDPOption(d); !ok {
+				return d.Errf("sluice: unrecognized option %q", opt)
+			}
 		}
 		if err != nil {
 			return err

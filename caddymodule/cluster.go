@@ -201,7 +201,9 @@ func (n *node) sendMembershipLocked(a *agentSession, opts *nodeOptions) bool {
 	}
 	a.members = key
 	a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_MembershipUpdate{MembershipUpdate: &tunnelpb.MembershipUpdate{
-		Nodes: opts.cluster.list(opts.nodeID),
+		// Without a cluster the node lists itself as its acks name it, so
+		// the agent finds the sender in the list and takes it.
+		Nodes: opts.cluster.list(n.ackNodeID(opts)),
 	}}})
 	return true
 }
@@ -247,10 +249,16 @@ func (n *node) members() []*tunnelpb.Node {
 // ackNodeID is the node_id an AdvertiseAck carries: in a cluster the
 // member id, so an agent finds the node that answered among the members
 // it is told of (its url there may differ from the one the agent dialed);
-// else the control listener's address, as ever.
+// else node_id (the host name by default) and the control listener's
+// address: the address alone (":8001" listens on "[::]:8001" everywhere)
+// would make identical nodes behind one DNS name look like one node to an
+// agent keeping a session per address (server_each_address).
 func (n *node) ackNodeID(opts *nodeOptions) string {
 	if opts.cluster != nil {
 		return opts.nodeID
 	}
-	return n.id
+	if opts.nodeID == "" {
+		return n.id
+	}
+	return opts.nodeID + "@" + n.id
 }

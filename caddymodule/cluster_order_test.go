@@ -53,7 +53,7 @@ func TestRoutingIgnoresArrivalOrder(t *testing.T) {
 			"HTTP host":           agentsOf(tab.lookupHTTP("app.test")),
 			"named service":       agentsOf(tab.lookupName("redis")),
 			"server name":         agentsOf(tab.lookupSNI("db.test")),
-			"layer4 port":         agentsOf(tab.byPort[2222]),
+			"layer4 port":         agentsOf(tab.byPort.get(2222)),
 			"server name pattern": agentsOf(tab.lookupSNI("x.wild.test")),
 		} {
 			want := "agent-a:" + map[string]string{"HTTP host": "web", "named service": "redis", "server name": "db",

@@ -216,8 +216,8 @@ func TestMembershipFollowsTheAck(t *testing.T) {
 	opts.nodeID = "solo"
 	alone.opts.Store(&opts)
 	a, frames := registerAgent(t, alone, "agent-a")
-	if ack := frames.next(t).GetAdvertiseAck(); ack == nil || ack.GetNodeId() != alone.id {
-		t.Fatalf("standalone ack %v, want one naming the listener %s as ever", ack, alone.id)
+	if ack := frames.next(t).GetAdvertiseAck(); ack == nil || ack.GetNodeId() != "solo@"+alone.id {
+		t.Fatalf("standalone ack %v, want one naming node_id and the listener solo@%s", ack, alone.id)
 	}
 	alone.pushMembership() // a reload without a cluster: nothing to tell
 	alone.admitMu.Lock()
@@ -317,7 +317,8 @@ func TestMembershipPushedOnReload(t *testing.T) {
 	alone := &App{NodeID: "n1", node: n, logger: zap.NewNop(), MaxSessions: DefaultMaxSessions, DrainGrace: caddy.Duration(time.Second)}
 	start(alone)
 	stop(changed)
-	wantMembership(t, frames.next(t), "n1=")
+	// As its acks name it from now on: the agent finds the sender listed.
+	wantMembership(t, frames.next(t), "n1@"+n.id+"=")
 }
 
 // TestWarmupKeepsReadinessDown: readiness is down ("warming up") for

@@ -179,20 +179,34 @@ func (h *handshake) negotiateAndRegister() error {
 	return nil
 }
 
-// stillAdmissible refuses a stream that waited for its Advertise while a
-// reload changed its credential (a stream that would no longer
+// stillAdmissible refuses a stream whose agent gave up on it (its context
+// ended) while it waited for admitMu, and one that waited for its
+// Advertise while a reload changed its credential (a stream that would no longer
 // authenticate must not displace the agent's current session), or while the node started
 // draining (drain lists the sessions to tell under admitMu: a session
 // registered after that would serve on a node going away without its
 // Drain). Callers hold admitMu.
 func (h *handshake) stillAdmissible() error {
 	n := h.n
-	if !n.creds.Load().stillValid(h.auth) {
+	if err := h.streamCtx.Err(); err != nil {
+		// The agent gave up while the stream waited for admitMu (its ack
+		// timeout passed) and is retrying on a new one: registering this
+		// one would admit routes and count a session for no one, and under
+		// a queue of admissions those dead sessions pile up.
+		n.metrics.refuseStream(refusedStreamEnded)
+		return status.FromContextError(err).Err()
+	}
+	set := n.creds.Load()
+	if !set.stillValid(h.auth) {
 		n.metrics.refuseStream(refusedCredentialChanged)
 		err := status.Error(codes.Unauthenticated, "the node's credentials changed while the stream waited for its Advertise")
 		n.logStream("agent rejected", h.remote, err)
 		return err
 	}
+	// Still valid, but a reload may have given the credential another
+	// scope since the tap found it: admit the routes under the current one
+	// (applyCredentials re-scoped only the sessions registered then).
+	h.auth.cred = set.byName[h.auth.cred.name]
 	if n.draining.Load() {
 		n.metrics.refuseStream(refusedDraining)
 		return status.Error(codes.Unavailable, errDrainingNode.Error())

@@ -9,6 +9,9 @@ import (
 // connKindOf says what a virtual connection carried: an index into
 // connKindNames (http, http_upgraded, tcp).
 func connKindOf(info tunnelcore.ConnectInfo) int {
+	if info.Datagram {
+		return 3
+	}
 	if h, ok := info.Tag.(*httpConn); ok {
 		if h.upgraded.Load() {
 			return 1

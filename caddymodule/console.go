@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io/fs"
 	"net/http"
-	"slices"
 	"strings"
 	"time"
 
@@ -315,29 +314,29 @@ func consoleAgents(n *node, ss []SessionStatus) []ConsoleAgent {
 func (n *node) consoleRoutes(ports []PortStatus) ConsoleRoutes {
 	t := n.reg.table.Load()
 	out := ConsoleRoutes{Ports: ports}
-	for _, host := range sortedKeys(t.exact) {
-		out.Hosts = append(out.Hosts, tableRow(host, t.exact[host]))
+	for _, host := range t.exact.keys() {
+		out.Hosts = append(out.Hosts, tableRow(host, t.exact.get(host)))
 	}
 	out.Patterns = patternRows(t.patterns.entries)
 	if len(t.catchAll) > 0 {
 		out.CatchAll = []ConsoleRoute{tableRow("*", t.catchAll)}
 	}
-	for _, name := range sortedKeys(t.byName) {
-		if named := kindOnly(t.byName[name], route.NamedTCP); len(named) > 0 {
+	for _, name := range t.byName.keys() {
+		if named := kindOnly(t.byName.get(name), route.NamedTCP); len(named) > 0 {
 			out.TCPNames = append(out.TCPNames, tableRow(name, named))
 		}
 	}
-	for _, sni := range sortedKeys(t.sniExact) {
-		out.SNI = append(out.SNI, tableRow(sni, t.sniExact[sni]))
+	for _, sni := range t.sniExact.keys() {
+		out.SNI = append(out.SNI, tableRow(sni, t.sniExact.get(sni)))
 	}
 	out.SNI = append(out.SNI, patternRows(t.sniPatterns.entries)...)
 	claimed := map[uint32]bool{}
 	for _, p := range ports {
-		claimed[p.Port] = true
+		claimed[p.Port] = claimed[p.Port] || p.Network == "" // the TCP ports' rows
 	}
-	for _, port := range sortedKeys(t.byPort) {
+	for _, port := range t.byPort.keys() {
 		if !claimed[port] {
-			out.PortRoute = append(out.PortRoute, tableRow(fmt.Sprint(port), t.byPort[port]))
+			out.PortRoute = append(out.PortRoute, tableRow(fmt.Sprint(port), t.byPort.get(port)))
 		}
 	}
 	out.nonNil()
@@ -355,16 +354,6 @@ func (r *ConsoleRoutes) nonNil() {
 	if r.Ports == nil {
 		r.Ports = []PortStatus{}
 	}
-}
-
-// sortedKeys returns m's keys in order.
-func sortedKeys[K string | uint32, V any](m map[K]V) []K {
-	keys := make([]K, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	return keys
 }
 
 // kindOnly returns the entries of es of kind k.

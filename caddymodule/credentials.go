@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"cmp"
 	"crypto/sha256"
 	"crypto/x509"
 	"encoding/hex"
@@ -13,6 +14,7 @@ import (
 
 	"google.golang.org/grpc/credentials"
 
+	"github.com/caddyserver/caddy/v2/modules/caddypki"
 	"github.com/sluice-tunnel/sluice/internal/hostname"
 	"github.com/sluice-tunnel/sluice/internal/ident"
 )
@@ -123,8 +125,11 @@ type credentialSet struct {
 	byName     map[string]*credential
 	revoked    map[string]bool // normalised serials (serialKey)
 	// clientCerts: connections may carry client certificates (client_auth
-	// is set); without it a certificate is never an identity.
-	clientCerts bool
+	// is set); without it a certificate is never an identity. requireCert:
+	// client_auth's require, so only a certificate's credential gets in.
+	// caID names the CA that verifies them.
+	clientCerts, requireCert bool
+	caID                     string
 }
 
 // authn is how a stream authenticated: its credential, and the secret it
@@ -133,6 +138,7 @@ type authn struct {
 	cred     *credential
 	tokenSum [32]byte
 	serial   string // the client certificate's (serialKey); "": a token
+	ca       string // the id of the CA that verified the certificate
 }
 
 // credentialName is the credential's name for logs ("" reads as "token").
@@ -159,8 +165,10 @@ func (s *credentialSet) stillValid(au authn) bool {
 	switch {
 	case cur == nil:
 		return false
-	case au.serial != "" && (!s.clientCerts || cur.identity != au.cred.identity || s.revoked[au.serial]):
+	case au.serial != "" && (!s.clientCerts || au.ca != s.caID || cur.identity != au.cred.identity || s.revoked[au.serial]):
 		return false
+	case au.serial == "" && s.requireCert:
+		return false // require turned on: tokens alone no longer get in
 	case au.tokenSum != [32]byte{} && cur.tokenSum != au.tokenSum:
 		return false
 	}
@@ -173,6 +181,9 @@ func (s *credentialSet) stillValid(au authn) bool {
 func buildCredentials(token string, creds []*Credential, auth *ClientAuth) (*credentialSet, error) {
 	s := &credentialSet{byToken: map[[32]byte]*credential{}, byIdentity: map[string]*credential{},
 		byName: map[string]*credential{}, revoked: map[string]bool{}, clientCerts: auth != nil}
+	if auth != nil {
+		s.requireCert, s.caID = auth.Require, cmp.Or(auth.CA, caddypki.DefaultCAID)
+	}
 	if token != "" {
 		c := &credential{tokenSum: sha256.Sum256([]byte(token))}
 		s.byToken[c.tokenSum], s.byName[""] = c, c

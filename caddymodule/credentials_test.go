@@ -217,13 +217,65 @@ func TestStillValidFollowsTheReload(t *testing.T) {
 		t.Error("a removed credential kept the session")
 	}
 	certSet, _ := buildCredentials("", []*Credential{{Name: "edge", ClientIdentity: "urn:edge"}}, &ClientAuth{})
-	cau := authn{cred: certSet.byName["edge"], serial: "1a2b"}
+	cau := authn{cred: certSet.byName["edge"], serial: "1a2b", ca: "local"}
 	if !certSet.stillValid(cau) {
 		t.Fatal("certificate session invalid under its own set")
 	}
 	revoked, _ := buildCredentials("", []*Credential{{Name: "edge", ClientIdentity: "urn:edge"}}, &ClientAuth{RevokedSerials: []string{"1A:2B"}})
 	if revoked.stillValid(cau) {
 		t.Error("a revoked serial kept the session")
+	}
+	otherCA, _ := buildCredentials("", []*Credential{{Name: "edge", ClientIdentity: "urn:edge"}}, &ClientAuth{CA: "agents"})
+	if otherCA.stillValid(cau) {
+		t.Error("a certificate of the CA a reload replaced kept the session")
+	}
+	tokenAu := authn{cred: certSet.byName["edge"], tokenSum: sha256.Sum256([]byte(tokenA))}
+	withToken, _ := buildCredentials("", []*Credential{{Name: "edge", Token: tokenA, ClientIdentity: "urn:edge"}}, &ClientAuth{})
+	required, _ := buildCredentials("", []*Credential{{Name: "edge", Token: tokenA, ClientIdentity: "urn:edge"}}, &ClientAuth{Require: true})
+	if !withToken.stillValid(tokenAu) || required.stillValid(tokenAu) {
+		t.Error("turning require on did not end a session that came with a token alone")
+	}
+}
+
+// TestRequireRefusesTokensAlone: with client_auth's require a token
+// without a credential's certificate does not authenticate.
+func TestRequireRefusesTokensAlone(t *testing.T) {
+	n := testNode(t)
+	set, err := buildCredentials("", []*Credential{{Name: "a", Token: tokenA}}, &ClientAuth{Require: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.creds.Store(set)
+	if _, ok := n.identify(context.Background(), bearer(tokenA)); ok {
+		t.Error("a token alone authenticated with require")
+	}
+}
+
+// TestServiceNamesStayInScope: a route of a scoped credential named like a
+// service its scope does not list is not reached by that name (layer4's
+// `sluice NAME`), whatever its kind; one of the unscoped token is.
+func TestServiceNamesStayInScope(t *testing.T) {
+	r := newRegistry()
+	set := twoTeams(t)
+	n := testNode(t)
+	n.reg = r
+	a := &agentSession{agentID: "0-a", credName: "team-a", auth: authn{cred: set.byName["team-a"]}}
+	entries, _ := validateRoutes([]*tunnelpb.Route{{Name: "postgres", Host: "app.test", Target: "http://x"}, {Name: "redis-a", Target: "tcp://x"}})
+	entries, rejected := n.admitScoped(a, entries)
+	if len(rejected) != 0 {
+		t.Fatalf("rejected: %v", rejected)
+	}
+	entries, _ = r.bind(a, entries, nil)
+	r.register(a, entries)
+	tbl := r.table.Load()
+	if es := tbl.lookupName("postgres"); len(es) != 0 {
+		t.Errorf("a host route named postgres answers `sluice postgres`: %s", agentsOf(es))
+	}
+	if es := tbl.lookupName("redis-a"); len(es) != 1 {
+		t.Errorf("the credential's own service: %s", agentsOf(es))
+	}
+	if es := tbl.lookupName("app.test"); len(es) != 1 {
+		t.Errorf("the host itself by name: %s", agentsOf(es))
 	}
 }
 

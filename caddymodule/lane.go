@@ -184,10 +184,14 @@ func (c *laneCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInf
 		return nil, nil, err
 	}
 	if first[0] != tunnelpb.LanePreface[0] {
+		peeked := &peekedConn{Conn: conn, first: first[0], unread: true}
 		if guarded != nil {
 			ai = guardAuthInfo{AuthInfo: ai, conn: guarded}
+			if conn == raw { // plaintext: gRPC may read the socket itself (readyConn)
+				return readyConnOf(peeked, guarded.Conn), ai, nil
+			}
 		}
-		return &peekedConn{Conn: conn, first: first[0], unread: true}, ai, nil
+		return peeked, ai, nil
 	}
 	// A lane or direct socket: it stays pending until its ticket or key
 	// checked out, and must send its preface within the guard's preface

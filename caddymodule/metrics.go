@@ -79,12 +79,13 @@ func metricsNodes() []*node {
 
 // Labels of the bounded sets the counters use.
 var (
-	connKindNames = [...]string{"http", "http_upgraded", "tcp"}
+	connKindNames = [...]string{"http", "http_upgraded", "tcp", "udp"}
 
 	// streamRefusalNames: why an authenticated agent stream was refused.
 	streamRefusalNames = [...]string{
 		"max_pending_streams", "max_pending_streams_per_address", "max_sessions", "max_sessions_per_address",
 		"draining", "advertise_timeout", "invalid_advertise", "credential_changed", "max_sessions_per_credential",
+		"stream_ended",
 	}
 	// limitReasonNames: which limit refused a client's connection or request.
 	limitReasonNames = [...]string{"max_connections", "agent_max_connections", "max_connections_per_address", "allowed_cidrs", "other"}
@@ -107,6 +108,7 @@ const (
 	refusedInvalidAdvertise
 	refusedCredentialChanged
 	refusedSessionsPerCredential
+	refusedStreamEnded
 )
 
 // routeReject indexes routeRejectNames.
@@ -316,6 +318,7 @@ type metricsCollector struct {
 	dataLimit, dataAdmitted, dataRejected                       *prometheus.Desc
 	authFailures, advertiseRejected, portClaims                 *prometheus.Desc
 	windowUpdates, creditWaits, stallSeconds, streamsTotal      *prometheus.Desc
+	udp                                                         udpMetrics // udp_metrics.go
 }
 
 // newMetricsCollector describes every metric; nodes lists what to report.
@@ -325,6 +328,7 @@ func newMetricsCollector(nodes func() []*node) *metricsCollector {
 		return prometheus.NewDesc(name, help, append([]string{"node"}, labels...), nil)
 	}
 	return &metricsCollector{
+		udp:                  newUDPMetrics(d),
 		nodes:                nodes,
 		sessions:             d("sluice_tunnel_sessions", "Agent sessions registered, leaving ones included."),
 		sessionsLane:         d("sluice_tunnel_sessions_lane", "Agent sessions running on a data lane."),
@@ -369,6 +373,7 @@ func (m *metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 	} {
 		ch <- d
 	}
+	m.udp.describe(ch)
 }
 
 // Collect implements prometheus.Collector: it reads each node's state now.
@@ -378,6 +383,7 @@ func (m *metricsCollector) Collect(ch chan<- prometheus.Metric) {
 		m.collectSessions(e, ln.n)
 		m.collectLimits(e, ln.n)
 		m.collectCounters(e, ln.n)
+		m.udp.collect(e, ln.n)
 	}
 }
 

@@ -29,6 +29,7 @@ type node struct {
 	server *grpc.Server
 	reg    *registry
 	ports  *portManager
+	udp    udpNode // datagram flows: their limits, counters and UDP ports (udp.go)
 	lanes  laneTickets
 	direct directKeys
 	budget *tunnelcore.Budget
@@ -118,6 +119,7 @@ type nodeOptions struct {
 	nodeID              string        // the node label of its metrics (App.NodeID)
 	warmup              time.Duration // readiness down this long after the listener started serving (App.Warmup)
 	cluster             *membership   // the cluster's members (App.Cluster); nil: none
+	udp                 udpNodeOptions
 }
 
 // nodeKey identifies a node in the pool.
@@ -148,6 +150,7 @@ func newNode(addr string, ctls *controlTLS, logger *zap.Logger) *node {
 		idleClosers:    map[any]func(){},
 	}
 	n.ports = newPortManager(n)
+	n.udp.init(n)
 	n.guard = newConnGuard(n)
 	n.drainCtx, n.drainNow = context.WithCancel(context.Background())
 	go n.watchExit()
@@ -315,6 +318,7 @@ func (n *node) drain() {
 	n.admitMu.Unlock()
 	n.drainNow()
 	n.ports.closeAll()
+	n.udp.ports.closeAll()
 	n.closeIdleConns() // idle pooled connections are not in flight: do not wait for them
 	grace := n.opts.Load().drainGrace
 	for _, a := range sessions {

@@ -138,7 +138,7 @@ func (t *routeTable) servesCertificateFor(name string) bool {
 	if !ok {
 		return false
 	}
-	if slices.ContainsFunc(t.exact[host], grantsCertificate) {
+	if slices.ContainsFunc(t.exact.get(host), grantsCertificate) {
 		return true
 	}
 	return slices.ContainsFunc(t.patterns.lookup(host), grantsCertificate)

@@ -34,6 +34,8 @@ func TestCertificatePermissionByKind(t *testing.T) {
 		route.PassthroughPattern: {&tunnelpb.Route{HostPattern: `[a-z]+\.sp\.test`, TlsPassthrough: true, Target: "tcp://x:1"}, "a.sp.test", false},
 		route.NamedTCP:           {&tunnelpb.Route{Name: "redis", Target: "tcp://x:1"}, "redis", false},
 		route.ListenPort:         {&tunnelpb.Route{ListenPort: 2222, Target: "tcp://x:1"}, "localhost", false},
+		route.NamedUDP:           {&tunnelpb.Route{Name: "dns", Target: "udp://x:53"}, "dns", false},
+		route.UDPListenPort:      {&tunnelpb.Route{ListenPort: 5353, Target: "udp://x:53"}, "localhost", false},
 	}
 	for _, k := range route.Kinds() {
 		ex, ok := examples[k]
@@ -163,7 +165,7 @@ func TestCertificatePermissionFollowsTheTable(t *testing.T) {
 	}
 	r.unregister(a)
 	r.unregister(b)
-	if tab := r.table.Load(); tab.servesCertificateFor("app.test") || len(tab.byDial) != 0 {
+	if tab := r.table.Load(); tab.servesCertificateFor("app.test") || tab.byDial.len() != 0 {
 		t.Error("the ended sessions' routes are still in the table")
 	}
 }

@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// portRange is an inclusive range of TCP ports agents may claim.
+// portRange is an inclusive range of ports agents may claim.
 type portRange struct{ lo, hi uint32 }
 
 func (r portRange) contains(p uint32) bool { return r.lo != 0 && p >= r.lo && p <= r.hi }
@@ -47,8 +47,27 @@ func parsePortRange(s string) (portRange, error) {
 // leaves.
 type portClaim struct {
 	port      uint32
-	ln        net.Listener
+	ln        net.Listener  // a TCP port's
+	udp       *udpPort      // a UDP port's (udpports.go)
 	claimants []*routeEntry // in claim order; entries are bound (registry.bind) before they claim
+}
+
+// addr is the address the port is bound on.
+func (c *portClaim) addr() net.Addr {
+	if c.udp != nil {
+		return c.udp.sock.LocalAddr()
+	}
+	return c.ln.Addr()
+}
+
+// close closes the port: a TCP port's listener, or a UDP port's socket
+// (the flows of its clients end with it).
+func (c *portClaim) close() {
+	if c.udp != nil {
+		c.udp.close()
+		return
+	}
+	c.ln.Close()
 }
 
 func (c *portClaim) owner() *routeEntry {
@@ -73,16 +92,27 @@ func (c *portClaim) claimedBy(a *agentSession) bool {
 	return false
 }
 
-// portManager binds the ports agents claim within tcp_port_range and
-// releases each when its last claimant's session ends.
+// portManager binds the ports agents claim within tcp_port_range (or,
+// for the UDP one, udp_port_range) and releases each when its last
+// claimant's session ends.
 type portManager struct {
-	n  *node
-	mu sync.Mutex
-	by map[uint32]*portClaim
+	n   *node
+	udp bool // binds UDP ports for udp:// listen-port routes
+	mu  sync.Mutex
+	by  map[uint32]*portClaim
 }
 
 func newPortManager(n *node) *portManager {
 	return &portManager{n: n, by: map[uint32]*portClaim{}}
+}
+
+// rangeOf returns the range of ports the manager binds in, its option's
+// name and the host it binds them on.
+func (m *portManager) rangeOf(opts *nodeOptions) (r portRange, name, bind string) {
+	if m.udp {
+		return opts.udp.portRange, "udp_port_range", opts.udp.bind
+	}
+	return opts.portRange, "tcp_port_range", opts.tcpBind
 }
 
 // errNotBound marks listen-port routes the node accepts without binding:
@@ -93,11 +123,12 @@ var errNotBound = errors.New("not bound by the node")
 // the reason a claim is refused.
 func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 	port := e.route.GetListenPort()
-	if opts.portRange.lo == 0 {
+	rng, rangeName, bind := m.rangeOf(opts)
+	if rng.lo == 0 {
 		return errNotBound
 	}
-	if !opts.portRange.contains(port) {
-		return fmt.Errorf("port %d is outside tcp_port_range %s", port, opts.portRange)
+	if !rng.contains(port) {
+		return fmt.Errorf("port %d is outside %s %s", port, rangeName, rng)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -119,18 +150,37 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 		c.claimants = append(c.claimants, e)
 		return nil
 	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(opts.tcpBind, strconv.Itoa(int(port))))
-	if err != nil {
+	c := &portClaim{port: port, claimants: []*routeEntry{e}}
+	if err := m.bind(c, bind); err != nil {
 		return fmt.Errorf("port %d: %w", port, err)
 	}
-	c := &portClaim{port: port, ln: ln, claimants: []*routeEntry{e}}
 	m.by[port] = c
 	// Throttled: one Advertise may claim up to 1024 ports, and an agent may
 	// re-advertise every second.
 	if ok, suppressed := m.n.portBindLog.Allow(); ok {
 		m.n.log().Info("listening for agent port route", zap.Uint32("port", port), zap.String("agent", e.agent.agentID),
-			zap.String("address", ln.Addr().String()), zap.Int("suppressed_since_last", suppressed))
+			zap.String("address", c.addr().String()), zap.Bool("udp", m.udp), zap.Int("suppressed_since_last", suppressed))
 	}
+	return nil
+}
+
+// bind binds c's port on host and starts serving it.
+func (m *portManager) bind(c *portClaim, host string) error {
+	addr := net.JoinHostPort(host, strconv.Itoa(int(c.port)))
+	if m.udp {
+		p, err := m.n.listenUDPPort(addr, func() *routeEntry { return m.owner(c.port) })
+		if err != nil {
+			return err
+		}
+		c.udp = p
+		go p.serve()
+		return nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	c.ln = ln
 	go m.serve(c)
 	return nil
 }
@@ -156,7 +206,7 @@ func (m *portManager) release(e *routeEntry) {
 	}
 	m.mu.Unlock()
 	if closeIt {
-		c.ln.Close()
+		c.close()
 		if ok, suppressed := m.n.portBindLog.Allow(); ok {
 			m.n.log().Info("released agent port route", zap.Uint32("port", port), zap.Int("suppressed_since_last", suppressed))
 		}
@@ -212,7 +262,7 @@ func (m *portManager) closeAll() {
 	m.by = map[uint32]*portClaim{}
 	m.mu.Unlock()
 	for _, c := range claims {
-		c.ln.Close()
+		c.close()
 	}
 }
 

@@ -115,7 +115,11 @@ type routeEntry struct {
 	// within bounds what a pattern route of a scoped credential matches
 	// (scope.admitPattern); nil: unbounded.
 	within *nameSet
-	dial   string // host part of the dial address
+	// nameOutOfScope: the route's name is not among its scoped
+	// credential's services, so layer4's `sluice NAME` never reaches it by
+	// that name (reachableByName), whatever kind of route carries it.
+	nameOutOfScope bool
+	dial           string // host part of the dial address
 	// nameValue is the route's name, boxed once for the request
 	// placeholders (setServedBy).
 	nameValue any
@@ -170,16 +174,19 @@ func (e *routeEntry) matchesByPattern() bool {
 // routeTable is an immutable snapshot of every route; a new one is built on
 // each registration change and swapped in atomically.
 type routeTable struct {
-	exact    map[string][]*routeEntry // by host, ordered by agent id
-	patterns patternIndex             // ordered by agent id, then advertise order
-	catchAll []*routeEntry            // ordered by agent id
-	byDial   map[string]*routeEntry
+	// The keyed indexes are sharded (shardedMap), so that a change
+	// copies only the shards its routes touch (nextTable).
+	exact    shardedMap[string, []*routeEntry] // by host, ordered by agent id
+	patterns patternIndex                      // ordered by agent id, then advertise order
+	catchAll []*routeEntry                     // ordered by agent id
+	byDial   shardedMap[string, *routeEntry]
 
-	sniExact    map[string][]*routeEntry // TCP routes by server name
+	sniExact    shardedMap[string, []*routeEntry] // TCP routes by server name
 	sniPatterns patternIndex
-	byPort      map[uint32][]*routeEntry // listen-port routes
-	byName      map[string][]*routeEntry // every route by name
-	bySource    map[string][]*routeEntry // pattern routes by patternKey
+	byPort      shardedMap[uint32, []*routeEntry] // listen-port routes
+	byUDPPort   shardedMap[uint32, []*routeEntry] // udp:// listen-port routes
+	byName      shardedMap[string, []*routeEntry] // every route by name
+	bySource    map[string][]*routeEntry          // pattern routes by patternKey
 
 	// load is the worst-case cost of the pattern routes of the table's
 	// sessions for one lookup (patternBudget bounds it, bind keeps it
@@ -206,7 +213,7 @@ type registry struct {
 
 func newRegistry() *registry {
 	r := &registry{agents: make(map[agentKey]*agentSession), leaving: make(map[*agentSession]struct{})}
-	r.table.Store(buildTable(nil, nil))
+	r.table.Store(emptyTable())
 	return r
 }
 
@@ -407,7 +414,11 @@ func (r *registry) register(a *agentSession, entries []*routeEntry) (replaced *a
 	defer r.mu.Unlock()
 	replaced = r.agents[a.key()]
 	r.agents[a.key()] = a
-	r.rebuildLocked()
+	c := tableChange{in: entries, dial: entries}
+	if replaced != nil {
+		c.out, c.undial = replaced.routes, replaced.routes
+	}
+	r.applyLocked(c)
 	return replaced
 }
 
@@ -419,14 +430,14 @@ func (r *registry) unregister(a *agentSession) bool {
 	defer r.mu.Unlock()
 	if _, ok := r.leaving[a]; ok {
 		delete(r.leaving, a)
-		r.rebuildLocked()
+		r.applyLocked(tableChange{undial: a.routes})
 		return true
 	}
 	if r.agents[a.key()] != a {
 		return false
 	}
 	delete(r.agents, a.key())
-	r.rebuildLocked()
+	r.applyLocked(tableChange{out: a.routes, undial: a.routes})
 	return true
 }
 
@@ -446,69 +457,145 @@ func (r *registry) withdraw(a *agentSession) bool {
 	delete(r.agents, a.key())
 	r.leaving[a] = struct{}{}
 	a.leaving.Store(true)
-	r.rebuildLocked()
+	r.applyLocked(tableChange{out: a.routes})
 	return true
 }
 
+// tableChange is one registration change of the route table: the routes
+// that leave (out) and enter (in) the lookups, and those whose dial
+// addresses end (undial) and begin (dial). A leaving session's routes
+// leave the lookups but keep their dial addresses until it ends.
+type tableChange struct {
+	out, in      []*routeEntry
+	undial, dial []*routeEntry
+}
+
+// applyLocked publishes the current table changed by c. Its cost is
+// proportional to c's routes and the lists of the keys they touch (plus
+// copying the touched shards), not to the table: connecting N agents one
+// after the other used to rebuild the whole table each time, O(N²) in all.
+// Only a change of pattern or catch-all routes rebuilds those parts, from
+// every registered session. Callers hold r.mu.
+func (r *registry) applyLocked(c tableChange) {
+	old := r.table.Load()
+	r.table.Store(nextTable(old, c, r.sortedAgentsLocked))
+	close(old.replaced)
+}
+
+// rebuildLocked builds the table anew from the registered sessions (a
+// benchmark's bulk registration). Callers hold r.mu.
 func (r *registry) rebuildLocked() {
-	agents := make([]*agentSession, 0, len(r.agents))
-	for _, a := range r.agents {
-		agents = append(agents, a)
-	}
 	leaving := make([]*agentSession, 0, len(r.leaving))
 	for a := range r.leaving {
 		leaving = append(leaving, a)
 	}
-	old := r.table.Swap(buildTable(agents, leaving))
+	old := r.table.Swap(buildTable(r.sortedAgentsLocked(), leaving))
 	close(old.replaced)
+}
+
+// sortedAgentsLocked returns the registered sessions in routing order.
+func (r *registry) sortedAgentsLocked() []*agentSession {
+	agents := make([]*agentSession, 0, len(r.agents))
+	for _, a := range r.agents {
+		agents = append(agents, a)
+	}
+	slices.SortFunc(agents, compareAgents)
+	return agents
+}
+
+// emptyTable is the table of no routes.
+func emptyTable() *routeTable {
+	t := &routeTable{replaced: make(chan struct{}), bySource: map[string][]*routeEntry{}, matchers: map[string]*hostMatcher{}}
+	t.sniPatterns.first = true // see lookupSNI
+	return t
 }
 
 // buildTable indexes the routes of agents; those of leaving sessions only by
 // dial address.
 func buildTable(agents, leaving []*agentSession) *routeTable {
 	slices.SortFunc(agents, compareAgents)
-	b := &tableBuilder{t: &routeTable{
-		replaced: make(chan struct{}),
-		exact:    map[string][]*routeEntry{},
-		byDial:   map[string]*routeEntry{},
-		sniExact: map[string][]*routeEntry{},
-		byPort:   map[uint32][]*routeEntry{},
-		byName:   map[string][]*routeEntry{},
-		bySource: map[string][]*routeEntry{},
-		matchers: map[string]*hostMatcher{},
-	}, groups: map[string]int{}}
-	b.t.sniPatterns.first = true // see lookupSNI
+	var c tableChange
 	for _, a := range leaving {
-		for _, e := range a.routes {
-			b.t.byDial[e.dial] = e
-		}
+		c.dial = append(c.dial, a.routes...)
 	}
 	for _, a := range agents {
-		for _, e := range a.routes {
-			b.add(e)
-		}
+		c.in = append(c.in, a.routes...)
 	}
-	return b.finish()
+	c.dial = append(c.dial, c.in...)
+	return nextTable(emptyTable(), c, func() []*agentSession { return agents })
 }
 
-// tableBuilder fills a new routeTable. The HTTP and SNI pattern indexes
-// share their distinct patterns (groups, distinct), so a pattern of both
-// runs once per lookup cache miss of each.
+// nextTable returns a new table: old changed by c. It shares with old what
+// c does not touch: the shards of its keyed indexes, and the pattern
+// indexes (with their lookup caches) and catch-all list unless c changes
+// a pattern or catch-all route; then agents (in routing order) rebuilds
+// them.
+func nextTable(old *routeTable, c tableChange, agents func() []*agentSession) *routeTable {
+	t := *old
+	t.replaced = make(chan struct{})
+	dials := shardWriter[string, *routeEntry]{m: &t.byDial}
+	for _, e := range c.undial {
+		if t.byDial.get(e.dial) == e { // a reroute's kept route has its dial address again
+			dials.delete(e.dial)
+		}
+	}
+	for _, e := range c.dial {
+		dials.set(e.dial, e)
+	}
+	b := newTableBuilder(&t, len(c.out))
+	b.lists, b.removing = true, true
+	for _, e := range c.out {
+		b.out[e] = true
+		b.add(e)
+	}
+	b.removing = false
+	for _, e := range c.in {
+		b.add(e)
+	}
+	b.flushLists()
+	if slices.ContainsFunc(c.out, needsRebuild) || slices.ContainsFunc(c.in, needsRebuild) {
+		b.rebuildPatterns(agents())
+	}
+	return &t
+}
+
+// needsRebuild reports whether a change of e rebuilds the table's pattern
+// indexes and catch-all list, which are not keyed (nextTable).
+func needsRebuild(e *routeEntry) bool { return e.matchesByPattern() || e.kind == route.CatchAll }
+
+// tableBuilder fills a new routeTable (nextTable) in two passes. The
+// keyed pass (lists) records, for the changed routes only, the keys whose
+// lists lose (removing) or gain routes, then writes them (flushLists). The
+// pattern pass (patterns) rebuilds the unkeyed parts from every registered
+// route. The HTTP and SNI pattern indexes share their distinct patterns
+// (groups, distinct), so a pattern of both runs once per lookup cache miss
+// of each.
 type tableBuilder struct {
 	t        *routeTable
 	groups   map[string]int
 	distinct []*hostMatcher
+
+	lists, removing, patterns bool
+	out                       map[*routeEntry]bool // the routes leaving the lists
+	exact, sniExact, byName   pendingLists[string]
+	byPort, byUDPPort         pendingLists[uint32]
 }
 
-// add indexes e by dial address and name, and where its kind is reached:
-// the one place that maps a route.Kind to the lookups that find it (every
-// kind has a case; TestTableHasAPlaceForEveryKind checks).
+func newTableBuilder(t *routeTable, out int) *tableBuilder {
+	return &tableBuilder{t: t, out: make(map[*routeEntry]bool, out),
+		exact: pendingLists[string]{}, sniExact: pendingLists[string]{}, byName: pendingLists[string]{},
+		byPort: pendingLists[uint32]{}, byUDPPort: pendingLists[uint32]{}}
+}
+
+// add indexes e by name and where its kind is reached: the one place that
+// maps a route.Kind to the lookups that find it (every kind has a case;
+// TestTableHasAPlaceForEveryKind checks). The keyed indexes go through
+// pend, which records the change of the key's list; the others are
+// written in the pattern pass only.
 func (b *tableBuilder) add(e *routeEntry) {
 	t := b.t
-	t.byDial[e.dial] = e
-	name := routeName(e.route)
-	t.byName[name] = append(t.byName[name], e)
-	if e.matchesByPattern() {
+	pend(b, b.byName, routeName(e.route), e)
+	if b.patterns && e.matchesByPattern() {
 		t.bySource[patternKey(e)] = append(t.bySource[patternKey(e)], e)
 		t.load.add(e.pattern)
 		if t.matchers[e.pattern.source] == nil {
@@ -522,45 +609,78 @@ func (b *tableBuilder) add(e *routeEntry) {
 		b.addSNIHost(e)
 		b.addHTTPHost(e)
 	case route.HostPattern:
-		t.patterns.add(e, b.groups, &b.distinct)
+		b.addPattern(&t.patterns, e)
 	case route.TCPHostPattern:
-		t.sniPatterns.add(e, b.groups, &b.distinct)
-		t.patterns.add(e, b.groups, &b.distinct)
+		b.addPattern(&t.sniPatterns, e)
+		b.addPattern(&t.patterns, e)
 	case route.CatchAll:
-		t.catchAll = append(t.catchAll, e)
+		if b.patterns {
+			t.catchAll = append(t.catchAll, e)
+		}
 	case route.PassthroughHost:
 		b.addSNIHost(e)
 	case route.PassthroughPattern:
-		t.sniPatterns.add(e, b.groups, &b.distinct)
+		b.addPattern(&t.sniPatterns, e)
 	case route.NamedTCP:
 		// Reached by its name alone (byName, above).
 	case route.ListenPort:
-		p := e.route.GetListenPort()
-		t.byPort[p] = append(t.byPort[p], e)
+		pend(b, b.byPort, e.route.GetListenPort(), e)
+	case route.NamedUDP:
+		// Reached by its name alone, from a layer4 UDP server (byName).
+	case route.UDPListenPort:
+		pend(b, b.byUDPPort, e.route.GetListenPort(), e)
 	}
 }
 
 // addHTTPHost indexes e by its host for HTTP requests.
 func (b *tableBuilder) addHTTPHost(e *routeEntry) {
-	h := strings.ToLower(e.route.GetHost())
-	b.t.exact[h] = append(b.t.exact[h], e)
+	pend(b, b.exact, strings.ToLower(e.route.GetHost()), e)
 }
 
 // addSNIHost indexes e by its host for TLS server names.
 func (b *tableBuilder) addSNIHost(e *routeEntry) {
-	h := strings.ToLower(e.route.GetHost())
-	b.t.sniExact[h] = append(b.t.sniExact[h], e)
+	pend(b, b.sniExact, strings.ToLower(e.route.GetHost()), e)
 }
 
-// finish hands the pattern indexes their shared matchers and returns the
-// table.
-func (b *tableBuilder) finish() *routeTable {
+// addPattern appends e to a pattern index in the pattern pass.
+func (b *tableBuilder) addPattern(x *patternIndex, e *routeEntry) {
+	if b.patterns {
+		x.add(e, b.groups, &b.distinct)
+	}
+}
+
+// flushLists writes the keyed pass's changes into the table.
+func (b *tableBuilder) flushLists() {
 	t := b.t
+	applyLists(&t.exact, b.exact, b.out)
+	applyLists(&t.sniExact, b.sniExact, b.out)
+	applyLists(&t.byName, b.byName, b.out)
+	applyLists(&t.byPort, b.byPort, b.out)
+	applyLists(&t.byUDPPort, b.byUDPPort, b.out)
+}
+
+// rebuildPatterns rebuilds the table's unkeyed parts (pattern indexes,
+// catch-all list, pattern load and matchers) from the routes of agents,
+// in routing order, and hands the pattern indexes their shared matchers
+// and fresh lookup caches.
+func (b *tableBuilder) rebuildPatterns(agents []*agentSession) {
+	t := b.t
+	t.patterns, t.sniPatterns = patternIndex{}, patternIndex{first: true} // see lookupSNI
+	t.catchAll, t.load = nil, patternLoad{}
+	t.bySource, t.matchers = map[string][]*routeEntry{}, map[string]*hostMatcher{}
+	b.groups, b.distinct = map[string]int{}, nil
+	b.lists, b.patterns = false, true
+	for _, a := range agents {
+		for _, e := range a.routes {
+			if needsRebuild(e) {
+				b.add(e)
+			}
+		}
+	}
 	t.patterns.matchers, t.sniPatterns.matchers = b.distinct, b.distinct
 	if len(b.distinct) > 0 {
 		t.patterns.cache, t.sniPatterns.cache = newLookupCache(), newLookupCache()
 	}
-	return t
 }
 
 // lookupHTTP returns the routes serving host, ordered by agent id: exact
@@ -574,7 +694,7 @@ func (b *tableBuilder) finish() *routeTable {
 // max_requests) or refused by allowed_cidrs (allowedFor). The table's
 // cache makes a repeated host cost one lookup.
 func (t *routeTable) lookupHTTP(host string) []*routeEntry {
-	if es := t.exact[host]; len(es) > 0 {
+	if es := t.exact.get(host); len(es) > 0 {
 		return es
 	}
 	if len(host) <= hostKeyMax { // a routing key always is (hostname.RoutingKey)
@@ -593,7 +713,7 @@ func (t *routeTable) lookupHTTP(host string) []*routeEntry {
 // a pattern never runs on more than hostKeyMax bytes.
 func (t *routeTable) lookupSNI(name string) []*routeEntry {
 	name = strings.TrimSuffix(strings.ToLower(name), ".")
-	if es := t.sniExact[name]; len(es) > 0 || !hostname.Valid(name) {
+	if es := t.sniExact.get(name); len(es) > 0 || !hostname.Valid(name) {
 		return es
 	}
 	return t.sniPatterns.lookup(name)
@@ -602,10 +722,10 @@ func (t *routeTable) lookupSNI(name string) []*routeEntry {
 // lookupName returns the routes named name (or, failing that, serving the
 // host name), ordered by agent id.
 func (t *routeTable) lookupName(name string) []*routeEntry {
-	if es := t.byName[name]; len(es) > 0 {
+	if es := reachableByName(t.byName.get(name)); len(es) > 0 {
 		return es
 	}
-	if es := t.exact[strings.ToLower(name)]; len(es) > 0 {
+	if es := t.exact.get(strings.ToLower(name)); len(es) > 0 {
 		return es
 	}
 	return t.lookupSNI(name)
@@ -617,7 +737,7 @@ func (t *routeTable) byDialAddress(addr string) *routeEntry {
 	if i := strings.LastIndexByte(addr, ':'); i >= 0 {
 		host = addr[:i]
 	}
-	return t.byDial[host]
+	return t.byDial.get(host)
 }
 
 // succeeds reports whether a new session of key replaces one: the key's
@@ -661,9 +781,12 @@ func (r *registry) sessions() []*agentSession {
 func (r *registry) reroute(a *agentSession, entries []*routeEntry) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	old := a.routes
 	a.routes = entries
 	if r.agents[a.key()] == a {
-		r.rebuildLocked()
+		r.applyLocked(tableChange{out: old, undial: old, in: entries, dial: entries})
+	} else if _, ok := r.leaving[a]; ok {
+		r.applyLocked(tableChange{undial: old, dial: entries})
 	}
 }
 

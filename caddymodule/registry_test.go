@@ -74,7 +74,7 @@ func TestRouteLookupOrder(t *testing.T) {
 	if got := agentsOf(tab.lookupSNI("DB.test.")); got != "c:db.test" {
 		t.Errorf("lookupSNI = %s", got)
 	}
-	if got := agentsOf(tab.byPort[16379]); got != "c::16379" {
+	if got := agentsOf(tab.byPort.get(16379)); got != "c::16379" {
 		t.Errorf("byPort = %s", got)
 	}
 	if len(tab.lookupSNI("app.test")) != 0 {
@@ -98,7 +98,7 @@ func TestWithdrawnSessionRoutesNothingNew(t *testing.T) {
 	if got := agentsOf(tab.lookupHTTP("app.test")); got != "b:app.test" {
 		t.Errorf("lookupHTTP = %s, want the other agent alone", got)
 	}
-	if len(tab.lookupName("redis")) != 0 || len(tab.lookupSNI("db.test")) != 0 || len(tab.byPort[16379]) != 0 {
+	if len(tab.lookupName("redis")) != 0 || len(tab.lookupSNI("db.test")) != 0 || len(tab.byPort.get(16379)) != 0 {
 		t.Error("a withdrawn session's TCP routes are still routed")
 	}
 	if e := tab.byDialAddress(dial + ":80"); e == nil || e.agent != a {
@@ -418,6 +418,8 @@ func TestTableHasAPlaceForEveryKind(t *testing.T) {
 		route.PassthroughPattern: {&tunnelpb.Route{HostPattern: `.*\.sp\.test`, TlsPassthrough: true, Target: "tcp://x:1"}, "sni-pattern name"},
 		route.NamedTCP:           {&tunnelpb.Route{Name: "redis", Target: "tcp://x:1"}, "name"},
 		route.ListenPort:         {&tunnelpb.Route{ListenPort: 2222, Target: "tcp://x:1"}, "port name"},
+		route.NamedUDP:           {&tunnelpb.Route{Name: "dns", Target: "udp://x:53"}, "name"},
+		route.UDPListenPort:      {&tunnelpb.Route{ListenPort: 5353, Target: "udp://x:53"}, "udp-port name"},
 	}
 	for _, k := range route.Kinds() {
 		ex, ok := examples[k]
@@ -445,26 +447,29 @@ func TestTableHasAPlaceForEveryKind(t *testing.T) {
 // which holds every route, is left out).
 func placesOf(t *routeTable, e *routeEntry) string {
 	has := func(es []*routeEntry) bool { return slices.Contains(es, e) }
-	inMap := func(m map[string][]*routeEntry) bool {
-		for _, es := range m {
+	inMap := func(m *shardedMap[string, []*routeEntry]) bool {
+		for _, es := range m.all() {
 			if has(es) {
 				return true
 			}
 		}
 		return false
 	}
-	inPorts := false
-	for _, es := range t.byPort {
+	inPorts, inUDPPorts := false, false
+	for _, es := range t.byPort.all() {
 		inPorts = inPorts || has(es)
+	}
+	for _, es := range t.byUDPPort.all() {
+		inUDPPorts = inUDPPorts || has(es)
 	}
 	var places []string
 	for _, p := range []struct {
 		in   bool
 		name string
 	}{
-		{inMap(t.exact), "http-host"}, {has(t.patterns.entries), "http-pattern"}, {has(t.catchAll), "catch-all"},
-		{inMap(t.sniExact), "sni-host"}, {has(t.sniPatterns.entries), "sni-pattern"},
-		{inPorts, "port"}, {inMap(t.byName), "name"},
+		{inMap(&t.exact), "http-host"}, {has(t.patterns.entries), "http-pattern"}, {has(t.catchAll), "catch-all"},
+		{inMap(&t.sniExact), "sni-host"}, {has(t.sniPatterns.entries), "sni-pattern"},
+		{inPorts, "port"}, {inUDPPorts, "udp-port"}, {inMap(&t.byName), "name"},
 	} {
 		if p.in {
 			places = append(places, p.name)

@@ -48,10 +48,17 @@ func (sc *scope) admitScope(e *routeEntry) string {
 		if name := routeName(rt); !sc.anyService && !sc.services[name] {
 			return fmt.Sprintf("TCP service %q is not among its services", name)
 		}
-	case route.ListenPort:
+	case route.ListenPort, route.UDPListenPort:
 		if p := rt.GetListenPort(); !sc.ports.contains(p) {
 			return fmt.Sprintf("listen port %d is outside its ports %s", p, sc.ports)
 		}
+	case route.NamedUDP:
+		if name := routeName(rt); !sc.anyService && !sc.services[name] {
+			return fmt.Sprintf("UDP service %q is not among its services", name)
+		}
+	default:
+		// A kind added later is refused until its scope rule is written.
+		return fmt.Sprintf("%s routes are not allowed to scoped credentials", e.kind)
 	}
 	return ""
 }
@@ -67,6 +74,25 @@ func (sc *scope) admitPattern(e *routeEntry, names *nameSet, field string) strin
 	}
 	e.within = names
 	return ""
+}
+
+// reachableByName drops, from the routes with one name, those whose
+// credential's services do not have the name: an agent names its routes
+// as it likes, and a host route named "postgres" must not take the
+// clients of layer4's `sluice postgres`. It allocates only when it drops.
+func reachableByName(es []*routeEntry) []*routeEntry {
+	for i, e := range es {
+		if e.nameOutOfScope {
+			out := slices.Clone(es[:i])
+			for _, e := range es[i+1:] {
+				if !e.nameOutOfScope {
+					out = append(out, e)
+				}
+			}
+			return out
+		}
+	}
+	return es
 }
 
 // inScope reports whether a pattern route may serve host: always, unless
@@ -87,6 +113,7 @@ func (n *node) admitScoped(a *agentSession, entries []*routeEntry) (kept []*rout
 	for _, e := range entries {
 		reason := sc.admitScope(e)
 		if reason == "" {
+			e.nameOutOfScope = !sc.anyService && !sc.services[routeName(e.route)]
 			kept = append(kept, e)
 			continue
 		}
@@ -120,17 +147,21 @@ func (t *routeTable) sharing(e *routeEntry) []*routeEntry {
 	rt := e.route
 	switch e.kind {
 	case route.Host, route.TCPHost:
-		return t.exact[strings.ToLower(rt.GetHost())]
+		return t.exact.get(strings.ToLower(rt.GetHost()))
 	case route.PassthroughHost:
-		return t.sniExact[strings.ToLower(rt.GetHost())]
+		return t.sniExact.get(strings.ToLower(rt.GetHost()))
 	case route.HostPattern, route.TCPHostPattern, route.PassthroughPattern:
 		return t.bySource[patternKey(e)]
 	case route.CatchAll:
 		return t.catchAll
 	case route.NamedTCP:
-		return t.byName[routeName(rt)]
+		return t.byName.get(routeName(rt))
 	case route.ListenPort:
-		return t.byPort[rt.GetListenPort()]
+		return t.byPort.get(rt.GetListenPort())
+	case route.NamedUDP:
+		return kindOnly(t.byName.get(routeName(rt)), route.NamedUDP)
+	case route.UDPListenPort:
+		return t.byUDPPort.get(rt.GetListenPort())
 	}
 	return nil
 }

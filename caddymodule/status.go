@@ -140,6 +140,8 @@ type PortStatus struct {
 	Owner   string   `json:"owner"`
 	Route   string   `json:"route"`
 	Standby []string `json:"standby,omitempty"`
+	// Network is "udp" for a UDP port (udp_port_range); empty for TCP.
+	Network string `json:"network,omitempty"`
 }
 
 // nodeID is the node's id in the admin API: the config's node_id (the
@@ -219,7 +221,7 @@ func (n *node) status() NodeStatus {
 	st := NodeStatus{
 		ID: nodeID(n), Listen: n.addr, TLS: n.tls, Ready: ready, Reason: reason,
 		Draining: n.draining.Load(), Limits: n.limitsStatus(), Totals: n.totals(),
-		Sessions: []SessionStatus{}, Ports: n.ports.snapshot(),
+		Sessions: []SessionStatus{}, Ports: append(n.ports.snapshot(), n.udp.ports.snapshot()...),
 	}
 	n.serveMu.Lock()
 	if n.listener != nil {
@@ -319,7 +321,10 @@ func (m *portManager) snapshot() []PortStatus {
 		if len(order) == 0 {
 			continue
 		}
-		ps := PortStatus{Port: c.port, Address: c.ln.Addr().String(), Owner: order[0].agent.agentID, Route: routeName(order[0].route)}
+		ps := PortStatus{Port: c.port, Address: c.addr().String(), Owner: order[0].agent.agentID, Route: routeName(order[0].route)}
+		if m.udp {
+			ps.Network = "udp"
+		}
 		for _, e := range order[1:] {
 			ps.Standby = append(ps.Standby, e.agent.agentID)
 		}
@@ -335,7 +340,7 @@ func (m *portManager) snapshot() []PortStatus {
 func claimOrder(c *portClaim) []*routeEntry {
 	order := slices.Clone(c.claimants)
 	slices.Reverse(order) // newest first, kept within one id by the stable sort
-	slices.SortStableFunc(order, func(a, b *routeEntry) int { return strings.Compare(a.agent.agentID, b.agent.agentID) })
+	slices.SortStableFunc(order, func(a, b *routeEntry) int { return compareAgents(a.agent, b.agent) })
 	return order
 }
 
@@ -416,9 +421,9 @@ func httpMatch(routes []*routeEntry) string {
 // nameMatch names the step of lookupName that finds name.
 func nameMatch(t *routeTable, name string) string {
 	switch {
-	case len(t.byName[name]) > 0:
+	case len(t.byName.get(name)) > 0:
 		return "name"
-	case len(t.exact[strings.ToLower(name)]) > 0:
+	case len(t.exact.get(strings.ToLower(name))) > 0:
 		return "host"
 	}
 	return "server_name"
@@ -439,5 +444,5 @@ func (n *node) portRoutes(t *routeTable, port uint32) ([]*routeEntry, string) {
 	if len(order) > 0 {
 		return order, "claimed_port"
 	}
-	return t.byPort[port], "port_route"
+	return t.byPort.get(port), "port_route"
 }

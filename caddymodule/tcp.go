@@ -59,11 +59,12 @@ func (n *node) resolveTCP(target TCPTarget) *routeEntry {
 	case target.ServerName != "":
 		routes = t.lookupSNI(target.ServerName)
 	}
+	routes = streamRoutes(routes) // a name may be a UDP service's too
 	if len(routes) == 0 && target.Route == "" {
 		if e := n.ports.owner(target.LocalPort); e != nil {
 			return e
 		}
-		routes = t.byPort[target.LocalPort]
+		routes = t.byPort.get(target.LocalPort)
 	}
 	if len(routes) == 0 {
 		return nil

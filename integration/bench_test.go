@@ -11,7 +11,7 @@ import (
 	"time"
 )
 
-// TestBenchScriptsRun runs bench/http.sh and bench/tcp.sh in their quick
+// TestBenchScriptsRun runs bench/http.sh, bench/tcp.sh and bench/udp.sh in their quick
 // mode against the xcaddy-built Caddy: they are part of what the repository
 // promises (the README's performance figures come from them), so a change
 // that breaks their setup, a load or the report must fail here. It checks
@@ -42,10 +42,18 @@ func TestBenchScriptsRun(t *testing.T) {
 		{"bench/tcp.sh", nil, []string{
 			"1x 64 MiB download, MB/s", "small GET /, requests/s", "TTFB fresh conn, median ms (lower)",
 		}},
+		{"bench/udp.sh", []string{"DNS_QUERIES=5000", "RATES=100M", "IPERF_SECS=2"}, []string{
+			"dnsperf queries/s", "dnsperf p50 latency, ms (lower)", "iperf3 -u -b 100M: received Mbit/s",
+		}},
 	} {
 		t.Run(tc.script, func(t *testing.T) {
 			if tc.script == "bench/http.sh" {
 				needCommand(t, "taskset")
+			}
+			if tc.script == "bench/udp.sh" {
+				for _, tool := range []string{"dnsmasq", "dnsperf", "iperf3"} {
+					needCommand(t, tool)
+				}
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 			defer cancel()

@@ -2,7 +2,9 @@
 // relays a raw TCP connection verbatim to the agent serving it, chosen by an
 // explicit route name, by the TLS server name (passthrough, or after
 // caddy-l4's tls handler terminated TLS), or by the port the client
-// connected to. Routing and the tunnel live in caddymodule; this package only
+// connected to. On a UDP server it carries each client address's datagrams
+// in a datagram flow to the agent's udp:// route, chosen by name or by the
+// port. Routing and the tunnel live in caddymodule; this package only
 // adapts caddy-l4 connections to it.
 package l4module
 
@@ -38,10 +40,12 @@ type Handler struct {
 	// local port the client connected to (listen-port routes).
 	Route string `json:"route,omitempty"`
 
-	// relay is the app's RelayTCP (a stand-in in tests).
-	relay   func(net.Conn, caddymodule.TCPTarget) error
-	logger  *zap.Logger
-	noRoute *logthrottle.Throttle
+	// relay is the app's RelayTCP, relayUDP its RelayUDP (stand-ins in
+	// tests).
+	relay    func(net.Conn, caddymodule.TCPTarget) error
+	relayUDP func(net.Conn, caddymodule.UDPTarget) error
+	logger   *zap.Logger
+	noRoute  *logthrottle.Throttle
 }
 
 // CaddyModule returns the Caddy module information.
@@ -59,6 +63,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.relay = appAny.(*caddymodule.App).RelayTCP
+	h.relayUDP = appAny.(*caddymodule.App).RelayUDP
 	h.logger = ctx.Logger()
 	h.noRoute = logthrottle.New(10*time.Second, 1)
 	return nil
@@ -67,6 +72,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 // Handle implements layer4.NextHandler. It returns only the relay's real
 // failures (see relayError).
 func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+	if local, ok := cx.LocalAddr().(*net.UDPAddr); ok {
+		return h.handleUDP(cx, local)
+	}
 	target := caddymodule.TCPTarget{Route: h.Route}
 	if sni, ok := cx.Replacer().GetString("l4.tls.server_name"); ok {
 		target.ServerName = sni
@@ -79,6 +87,26 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	}
 	return h.relayError(h.relay(conn{cx}, target), target, cx.RemoteAddr().String())
 }
+
+// handleUDP carries the datagrams of the client address cx stands for (a
+// UDP server hands each address a connection of its own, each Read one
+// datagram) in a datagram flow, until the flow ends (the route's idle
+// timeout, the agent's end) or the server's idle_timeout ends cx.
+func (h *Handler) handleUDP(cx *layer4.Connection, local *net.UDPAddr) error {
+	target := caddymodule.UDPTarget{Route: h.Route, LocalPort: uint32(local.Port)}
+	err := h.relayUDP(udpConn{cx}, target)
+	return h.relayError(err, caddymodule.TCPTarget{Route: target.Route, LocalPort: target.LocalPort}, cx.RemoteAddr().String())
+}
+
+// udpConn is a UDP server's connection for one client address, whose
+// Close the relay may call to end its reads: caddy-l4 closes the
+// connection itself once the handler returns, and a second Close would
+// reach its server as the close of the next connection of the same
+// address (its close notice names the address alone). Close ends the
+// reads with a deadline instead.
+type udpConn struct{ net.Conn }
+
+func (c udpConn) Close() error { return c.SetReadDeadline(time.Now()) }
 
 // relayError is what Handle returns for the relay's result err. caddy-l4
 // logs a handler's error at ERROR level, once per connection ("handling
@@ -136,7 +164,8 @@ func clientGone(err error) bool {
 //
 // With no route, the connection goes to the route serving the TLS server
 // name a `tls` matcher or handler saw, else to the listen-port route of the
-// port the client connected to.
+// port the client connected to. On a UDP server (`udp/:53`) the route is a
+// udp:// one: by name, else by the port.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // handler name
 	if d.NextArg() {

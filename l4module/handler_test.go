@@ -110,3 +110,57 @@ func handle(t *testing.T, h *Handler) error {
 	defer server.Close()
 	return h.Handle(layer4.WrapConnection(server, nil, zap.NewNop()), nil)
 }
+
+// TestHandleUDPPicksTheRoute: on a UDP server the handler carries the
+// client's datagrams (RelayUDP), by the route name it is configured with,
+// else by the port the client sent to, and a refusal is not returned.
+func TestHandleUDPPicksTheRoute(t *testing.T) {
+	for _, route := range []string{"dns", ""} {
+		var got caddymodule.UDPTarget
+		h, _ := testHandler(route, errors.New("the TCP relay must not run"))
+		h.relayUDP = func(_ net.Conn, target caddymodule.UDPTarget) error {
+			got = target
+			return caddymodule.ErrNoRoute
+		}
+		server, port := udpConnPair(t)
+		if err := h.Handle(layer4.WrapConnection(server, nil, zap.NewNop()), nil); err != nil {
+			t.Fatalf("route %q: Handle = %v", route, err)
+		}
+		if got.Route != route || got.LocalPort != uint32(port) {
+			t.Errorf("route %q: relayed to %+v, want route %q, port %d", route, got, route, port)
+		}
+	}
+}
+
+// TestUDPConnCloseEndsReadsOnly: the relay's Close of a UDP server's
+// connection ends its reads, and leaves the close to caddy-l4.
+func TestUDPConnCloseEndsReadsOnly(t *testing.T) {
+	server, _ := udpConnPair(t)
+	c := udpConn{server}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Read(make([]byte, 10)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read after Close: %v, want the deadline", err)
+	}
+	if _, err := server.Write([]byte("still open")); err != nil {
+		t.Fatalf("write after Close: %v", err)
+	}
+}
+
+// udpConnPair returns a UDP socket connected to a client socket, as a
+// UDP server's connection for one client address stands, and its port.
+func udpConnPair(t *testing.T) (net.Conn, int) {
+	t.Helper()
+	client, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	server, err := net.DialUDP("udp", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)}, client.LocalAddr().(*net.UDPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { server.Close() })
+	return server, server.LocalAddr().(*net.UDPAddr).Port
+}

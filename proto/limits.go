@@ -21,3 +21,10 @@ const (
 	MaxRoutesPerAdvertise    = 1024
 	MaxAdvertisePatternInsts = 20000
 )
+
+// MaxDatagramSize is the largest datagram a datagram flow carries, in
+// bytes (README.md §6.1): a UDP datagram's payload fits in 65535 bytes
+// (65507 over IPv4), so no UDP upstream or client can send a larger one. A
+// receiver drops a larger Data frame on a flow, counting it; a sender
+// refuses to queue one.
+const MaxDatagramSize = 65535

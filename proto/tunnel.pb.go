@@ -385,16 +385,19 @@ type Route struct {
 	Host string `protobuf:"bytes,1,opt,name=host,proto3" json:"host,omitempty"`
 	// A regular expression (RE2) that must match the whole host name.
 	HostPattern string `protobuf:"bytes,2,opt,name=host_pattern,json=hostPattern,proto3" json:"host_pattern,omitempty"`
-	// Where the agent dials: http://host:port, https://host:port or tcp://host:port.
-	// Informational for the node; the agent dials only its own configuration.
+	// Where the agent dials: http://host:port, https://host:port,
+	// tcp://host:port or udp://host:port. The node reads only the scheme (a
+	// udp:// route takes datagram flows, proto/README §6.1); the agent dials
+	// only its own configuration.
 	Target string `protobuf:"bytes,3,opt,name=target,proto3" json:"target,omitempty"`
 	// Host header the agent's upstream expects; empty keeps the client's.
 	RewriteHost string `protobuf:"bytes,4,opt,name=rewrite_host,json=rewriteHost,proto3" json:"rewrite_host,omitempty"`
 	// The route takes raw TLS connections routed by SNI (the upstream
 	// terminates TLS itself).
 	TlsPassthrough bool `protobuf:"varint,5,opt,name=tls_passthrough,json=tlsPassthrough,proto3" json:"tls_passthrough,omitempty"`
-	// TCP port whose connections the node relays verbatim to this route. The
-	// node binds it when it lies within its tcp_port_range; without a range,
+	// TCP port whose connections the node relays verbatim to this route (a
+	// UDP port whose datagrams it carries in flows, for a udp:// target). The
+	// node binds it when it lies within its port range; without a range,
 	// a layer4 server of the node's config routes by it. A listen-port route
 	// never takes part in host or SNI routing.
 	ListenPort uint32 `protobuf:"varint,6,opt,name=listen_port,json=listenPort,proto3" json:"listen_port,omitempty"`
@@ -413,8 +416,11 @@ type Route struct {
 	// gives one client's connection to another's HTTP request: it keeps
 	// pooled HTTP connections per client address.
 	ProxyProtocol bool `protobuf:"varint,11,opt,name=proxy_protocol,json=proxyProtocol,proto3" json:"proxy_protocol,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// A udp:// route's flows end after this long without a datagram either
+	// way (proto/README §6.1). 0: the default, 60 s.
+	UdpIdleTimeoutMs uint32 `protobuf:"varint,12,opt,name=udp_idle_timeout_ms,json=udpIdleTimeoutMs,proto3" json:"udp_idle_timeout_ms,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Route) Reset() {
@@ -522,6 +528,13 @@ func (x *Route) GetProxyProtocol() bool {
 		return x.ProxyProtocol
 	}
 	return false
+}
+
+func (x *Route) GetUdpIdleTimeoutMs() uint32 {
+	if x != nil {
+		return x.UdpIdleTimeoutMs
+	}
+	return 0
 }
 
 // AdvertiseAck answers an Advertise.
@@ -815,10 +828,16 @@ type Connect struct {
 	// TLS server name (SNI) the client sent, when the node saw one: TLS
 	// passthrough, HTTPS requests and TCP whose TLS the node terminated.
 	ServerName string `protobuf:"bytes,4,opt,name=server_name,json=serverName,proto3" json:"server_name,omitempty"`
-	// Receive window the opener grants for this connection. At least 65536.
+	// Receive window the opener grants for this connection. At least 65536,
+	// except on a datagram flow, where it is ignored.
 	Window uint32 `protobuf:"varint,5,opt,name=window,proto3" json:"window,omitempty"`
 	// The node's listener address the client connected to.
-	LocalAddr     string `protobuf:"bytes,6,opt,name=local_addr,json=localAddr,proto3" json:"local_addr,omitempty"`
+	LocalAddr string `protobuf:"bytes,6,opt,name=local_addr,json=localAddr,proto3" json:"local_addr,omitempty"`
+	// The connection is a datagram flow (proto/README §6.1): each Data frame
+	// carries one whole datagram, no credit applies (window is ignored;
+	// sluice sends 0, which a peer that predates flows refuses), and each
+	// end drops what its bounded queues cannot hold.
+	Datagram      bool `protobuf:"varint,7,opt,name=datagram,proto3" json:"datagram,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -895,8 +914,16 @@ func (x *Connect) GetLocalAddr() string {
 	return ""
 }
 
+func (x *Connect) GetDatagram() bool {
+	if x != nil {
+		return x.Datagram
+	}
+	return false
+}
+
 // Data carries bytes of one direction of a connection. The payload counts
-// against the sender's credit.
+// against the sender's credit. On a datagram flow it is one whole datagram
+// of at most 65535 bytes, outside any credit.
 type Data struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ConnId        uint64                 `protobuf:"varint,1,opt,name=conn_id,json=connId,proto3" json:"conn_id,omitempty"`
@@ -1405,7 +1432,7 @@ const file_tunnel_proto_rawDesc = "" +
 	"\bagent_id\x18\x01 \x01(\tR\aagentId\x12\x14\n" +
 	"\x05build\x18\x02 \x01(\tR\x05build\x12/\n" +
 	"\x06routes\x18\x03 \x03(\v2\x17.sluice.tunnel.v1.RouteR\x06routes\x12%\n" +
-	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\"\xfd\x02\n" +
+	"\x0einitial_window\x18\x04 \x01(\rR\rinitialWindow\"\xac\x03\n" +
 	"\x05Route\x12\x12\n" +
 	"\x04host\x18\x01 \x01(\tR\x04host\x12!\n" +
 	"\fhost_pattern\x18\x02 \x01(\tR\vhostPattern\x12\x16\n" +
@@ -1420,7 +1447,8 @@ const file_tunnel_proto_rawDesc = "" +
 	"\x18verbatim_idle_timeout_ms\x18\t \x01(\rR\x15verbatimIdleTimeoutMs\x12\x12\n" +
 	"\x04name\x18\n" +
 	" \x01(\tR\x04name\x12%\n" +
-	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\"\xb5\x02\n" +
+	"\x0eproxy_protocol\x18\v \x01(\bR\rproxyProtocol\x12-\n" +
+	"\x13udp_idle_timeout_ms\x18\f \x01(\rR\x10udpIdleTimeoutMs\"\xb5\x02\n" +
 	"\fAdvertiseAck\x126\n" +
 	"\baccepted\x18\x01 \x03(\v2\x1a.sluice.tunnel.v1.RouteKeyR\baccepted\x12;\n" +
 	"\brejected\x18\x02 \x03(\v2\x1f.sluice.tunnel.v1.RejectedRouteR\brejected\x12\x17\n" +
@@ -1442,7 +1470,7 @@ const file_tunnel_proto_rawDesc = "" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
 	"\vlisten_port\x18\x02 \x01(\rR\n" +
 	"listenPort\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xb8\x01\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xd4\x01\n" +
 	"\aConnect\x12\x17\n" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x12\x1b\n" +
 	"\troute_key\x18\x02 \x01(\tR\brouteKey\x12\x1f\n" +
@@ -1452,7 +1480,8 @@ const file_tunnel_proto_rawDesc = "" +
 	"serverName\x12\x16\n" +
 	"\x06window\x18\x05 \x01(\rR\x06window\x12\x1d\n" +
 	"\n" +
-	"local_addr\x18\x06 \x01(\tR\tlocalAddr\"9\n" +
+	"local_addr\x18\x06 \x01(\tR\tlocalAddr\x12\x1a\n" +
+	"\bdatagram\x18\a \x01(\bR\bdatagram\"9\n" +
 	"\x04Data\x12\x17\n" +
 	"\aconn_id\x18\x01 \x01(\x04R\x06connId\x12\x18\n" +
 	"\apayload\x18\x02 \x01(\fR\apayload\"6\n" +

@@ -82,6 +82,19 @@ type Config struct {
 	// sender. Default DefaultSendQueue; at least MaxFrameSize.
 	SendQueue int
 
+	// DatagramQueue bounds what each datagram flow holds queued in each
+	// direction (its send queue and its receive queue), each datagram
+	// counted by its buffer plus a fixed overhead; a datagram that does
+	// not fit is dropped and counted. Default DefaultDatagramQueue; at
+	// least one datagram of MaxDatagram.
+	DatagramQueue int
+
+	// FlowIdleTimeout ends a datagram flow (Close) that carried no
+	// datagram either way for this long, unless the flow sets its own
+	// (Conn.SetIdleTimeout). Default DefaultFlowIdleTimeout; negative:
+	// never.
+	FlowIdleTimeout time.Duration
+
 	// AcceptBacklog bounds the connections the peer opened that wait for
 	// Accept; beyond it a Connect is answered with a RESOURCE_EXHAUSTED
 	// Error. Default DefaultAcceptBacklog.
@@ -196,6 +209,9 @@ func (c *Config) Validate() error {
 	if c.SendQueue < c.MaxFrameSize {
 		return fmt.Errorf("tunnelcore: SendQueue %d below MaxFrameSize %d", c.SendQueue, c.MaxFrameSize)
 	}
+	if err := c.validateFlows(); err != nil {
+		return err
+	}
 	if c.AcceptBacklog == 0 {
 		c.AcceptBacklog = DefaultAcceptBacklog
 	}
@@ -219,6 +235,20 @@ func (c *Config) Validate() error {
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
+	}
+	return nil
+}
+
+// validateFlows fills in and checks the datagram flows' fields.
+func (c *Config) validateFlows() error {
+	if c.DatagramQueue == 0 {
+		c.DatagramQueue = DefaultDatagramQueue
+	}
+	if least := int(datagramCharge(MaxDatagram)); c.DatagramQueue < least {
+		return fmt.Errorf("tunnelcore: DatagramQueue %d below one datagram of %d bytes (%d)", c.DatagramQueue, MaxDatagram, least)
+	}
+	if c.FlowIdleTimeout == 0 {
+		c.FlowIdleTimeout = DefaultFlowIdleTimeout
 	}
 	return nil
 }

@@ -21,6 +21,9 @@ type ConnectInfo struct {
 	LocalAddr string
 	// ServerName is the TLS SNI of a passthrough connection.
 	ServerName string
+	// Datagram marks a datagram flow (flow.go): whole datagrams, no
+	// credit, bounded queues that drop.
+	Datagram bool
 	// Tag is the opener's own, never sent: what it uses the connection
 	// for (the node marks its pooled HTTP connections with it).
 	Tag any
@@ -134,6 +137,11 @@ type Conn struct {
 	// serialised, and the writer that finds a direct socket attached
 	// moves the direction.
 	wlock chan struct{}
+
+	// flow is c's datagram flow state (flow.go), nil for a connection: the
+	// one thing the byte stream's paths check for it. Set before c is
+	// shared.
+	flow *flowState
 
 	// mu guards the fields below.
 	mu         sync.Mutex
@@ -252,6 +260,7 @@ func (c *Conn) endLocked(to connLife, how ConnOutcome, err error) func() {
 	if from == lifeOpen {
 		c.endHow, c.endErr = how, err
 		close(c.ended)
+		c.flow.stop()
 	}
 	if from.broken() || !to.broken() {
 		return nil
@@ -322,6 +331,9 @@ func (c *Conn) dropBufferedLocked() {
 	c.s.buffered.Add(-c.buffered)
 	c.buffered = 0
 	c.taken = 0
+	if c.flow != nil {
+		c.flow.held = 0
+	}
 }
 
 // Abort ends the connection at once in both directions: queued bytes are
@@ -508,6 +520,11 @@ func (c *Conn) LocalAddr() net.Addr { return Addr{ID: c.id, Side: "local", Route
 // RemoteAddr implements net.Conn: the public client's address when the
 // opener announced one.
 func (c *Conn) RemoteAddr() net.Addr {
+	if c.flow != nil && c.info.RemoteAddr != "" {
+		if a, err := net.ResolveUDPAddr("udp", c.info.RemoteAddr); err == nil {
+			return a
+		}
+	}
 	if a, err := net.ResolveTCPAddr("tcp", c.info.RemoteAddr); err == nil && c.info.RemoteAddr != "" {
 		return a
 	}

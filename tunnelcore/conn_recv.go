@@ -21,8 +21,12 @@ const (
 )
 
 // Read implements net.Conn. After the peer's CloseWrite it returns the
-// buffered bytes, then io.EOF.
+// buffered bytes, then io.EOF. On a datagram flow each Read returns one
+// datagram (ReadDatagram).
 func (c *Conn) Read(p []byte) (int, error) {
+	if c.flow != nil {
+		return c.readDatagram(p)
+	}
 	if len(p) == 0 {
 		return 0, nil
 	}
@@ -137,8 +141,12 @@ func (c *Conn) grant(inc int64) {
 }
 
 // WriteTo implements io.WriterTo: it writes received buffers to w without
-// copying them first, until EOF or an error.
+// copying them first, until EOF or an error. On a datagram flow it writes
+// each datagram with one Write.
 func (c *Conn) WriteTo(w io.Writer) (int64, error) {
+	if c.flow != nil {
+		return c.writeToFlow(w)
+	}
 	var total int64
 	for {
 		bufs, err := c.takeBuffered()
@@ -301,6 +309,10 @@ func (c *Conn) takeBatchLocked() []mem.Buffer {
 
 // onData is called by the receive loop with a DATA payload for c.
 func (c *Conn) onData(payload mem.BufferSlice) {
+	if c.flow != nil {
+		c.onDatagram(payload)
+		return
+	}
 	n := int64(payload.Len())
 	c.mu.Lock()
 	if c.life.closed() || c.rstate == recvFailed {

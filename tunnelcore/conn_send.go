@@ -20,8 +20,12 @@ const (
 )
 
 // Write implements net.Conn. It returns once p is queued for the sender,
-// waiting for credit from the peer and room in the queue as needed.
+// waiting for credit from the peer and room in the queue as needed. On a
+// datagram flow p is one datagram, queued or dropped at once (writeFlow).
 func (c *Conn) Write(p []byte) (int, error) {
+	if c.flow != nil {
+		return c.writeFlow(p)
+	}
 	if err := c.lockWrites(); err != nil {
 		return 0, err
 	}
@@ -55,8 +59,12 @@ func (c *Conn) Write(p []byte) (int, error) {
 // ReadFrom implements io.ReaderFrom: it reads from r straight into the
 // buffers it hands to the sender, sending no more than the peer's credit.
 // From a TCP socket onto a plaintext lane, a connection whose reads show
-// bulk moves its payloads inside the kernel instead (see splice.go).
+// bulk moves its payloads inside the kernel instead (see splice.go). On a
+// datagram flow each read of r is one datagram (readFromFlow).
 func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
+	if c.flow != nil {
+		return c.readFromFlow(r)
+	}
 	if err := c.lockWrites(); err != nil {
 		return 0, err
 	}
@@ -256,6 +264,9 @@ func (c *Conn) CloseWrite() error {
 
 // onWindowUpdate is called with the peer's flow control for c.
 func (c *Conn) onWindowUpdate(u *tunnelpb.WindowUpdate) {
+	if c.flow != nil {
+		return // a flow has no credit (proto/README §6.1)
+	}
 	var released, topUp int64
 	c.mu.Lock()
 	if u.GetBlocked() {

@@ -368,8 +368,8 @@ func (c *Conn) directFailed(d *directSocket, err error) {
 func (c *Conn) attach(sock net.Conn, answer bool) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.life != lifeOpen || c.rstate == recvFailed || (c.rstate == recvEOF && c.wstate != sendOpen) || c.direct.Load().socket() != nil {
-		return ErrNotDirect
+	if c.flow != nil || c.life != lifeOpen || c.rstate == recvFailed || (c.rstate == recvEOF && c.wstate != sendOpen) || c.direct.Load().socket() != nil {
+		return ErrNotDirect // a flow never moves (proto/README §6.1)
 	}
 	if answer {
 		// Under mu: the answer must reach the socket before any byte this

@@ -11,7 +11,9 @@
 // (with the gRPC credentials wrapper that lets it read the socket's
 // progress), the data lane's stream (ConnStream), and the relay that copies
 // between a Conn and a real connection (splicing bulk payloads from a TCP
-// socket into a plaintext lane, see splice.go).
+// socket into a plaintext lane, see splice.go), and datagram flows: a Conn
+// that carries whole UDP datagrams outside credit, through bounded queues
+// that drop the newest datagram rather than wait (flow.go).
 //
 // Nothing here knows about Caddy, routes or agents: callers exchange the
 // session-level frames (Advertise, AdvertiseAck, Drain, ...) through
@@ -37,6 +39,11 @@
 //   - direct.go: direct sockets (a connection moved to a socket of its own)
 //     and their state; direct_io.go: reading, writing and closing them.
 //   - relay.go: copying between a Conn and a real connection.
+//   - flow.go: datagram flows (their state behind Conn.flow, the idle
+//     timer, the counts); flow_io.go: writing, receiving and reading
+//     datagrams; flow_relay.go: relaying a flow to a UDP socket
+//     (flow_relay_unix.go: reading a socket without holding a buffer
+//     while it is idle).
 //   - stream.go: FrameStream, the gRPC stream and the in-memory Pipe;
 //     progress*.go: what the transport under a stream delivered (for the
 //     stall watchdog); config.go, errors.go, pool.go, queue.go,
@@ -52,7 +59,11 @@
 // the lane through small optional interfaces (batchingStream,
 // splicingStream), and a Conn reaches its direct socket through one
 // pointer, Conn.direct, nil unless a socket is being opened or attached; a
-// directSocket keeps where each direction stands on it.
+// directSocket keeps where each direction stands on it. A datagram flow is
+// a Conn whose Conn.flow is set: Read, Write, ReadFrom, WriteTo, the
+// receive loop's DATA and WindowUpdate check that pointer first and take
+// the flow's own paths; the sender's queues and the connection's life,
+// Close and abort are shared.
 //
 // # Locks
 //
@@ -67,6 +78,7 @@
 //   - Session.mu guards the table of connections.
 //   - sender.mu guards the sender's queues and each connection's sendSched
 //     (embedded in Conn, declared in sender.go).
+//   - flowState.mu guards a flow's idle timer.
 //   - Slots.mu, pipePool.mu and deadline.mu guard their own types.
 //
 // The order, outermost first, where one is taken while holding another:
@@ -74,6 +86,7 @@
 //	Conn.wlock → Conn.mu → directSocket.mu
 //	Conn.wlock → sender.mu
 //	Conn.mu → deadline.mu
+//	Conn.mu → flowState.mu
 //	Session.mu → Slots.mu
 //
 // sender.mu is taken under none of Conn.mu, directSocket.mu and Session.mu,

@@ -15,7 +15,8 @@ import (
 
 // FuzzMisbehavingPeer: a peer that sends any sequence of frames (connects
 // with any ids and windows, data beyond credit or for unknown ids, closes,
-// errors, window updates with any values, session frames) can fail its own
+// errors, window updates with any values, session frames, datagram flows
+// with any datagrams, too large ones included) can fail its own
 // connections or the session, but never panics the session, and the
 // session's goroutines end once it is closed (goleak in TestMain checks).
 // Each input byte picks a frame, the next ones its fields.
@@ -24,6 +25,7 @@ func FuzzMisbehavingPeer(f *testing.F) {
 	f.Add([]byte{0, 2, 1, 2, 255, 255, 6, 2, 0, 7})
 	f.Add([]byte{0, 4, 0, 0, 4, 1, 1, 4, 9, 5, 4, 2, 3, 4, 7})
 	f.Add([]byte{8, 3, 0, 0, 2, 1, 1, 0, 3, 1})
+	f.Add([]byte{0, 5, 0, 1, 5, 1, 1, 5, 255, 4, 5, 9, 0, 2, 5, 1, 5, 3})
 	f.Fuzz(func(t *testing.T, ops []byte) {
 		if len(ops) > 512 {
 			ops = ops[:512]
@@ -80,7 +82,9 @@ func FuzzMisbehavingPeer(f *testing.F) {
 			var fr *tunnelpb.Frame
 			switch next() % 9 {
 			case 0:
-				fr = &tunnelpb.Frame{Kind: &tunnelpb.Frame_Connect{Connect: &tunnelpb.Connect{ConnId: next(), RouteKey: "r", Window: uint32(next()) << 12}}}
+				// Ids 5, 13, 21, ... open datagram flows (any window).
+				id := next()
+				fr = &tunnelpb.Frame{Kind: &tunnelpb.Frame_Connect{Connect: &tunnelpb.Connect{ConnId: id, RouteKey: "r", Window: uint32(next()) << 12, Datagram: id%8 == 5}}}
 			case 1:
 				id, n := next(), int(next())*300
 				err = peer.Send(&tunnelpb.Envelope{ConnID: id, Payload: mem.BufferSlice{mem.SliceBuffer(make([]byte, n))}})

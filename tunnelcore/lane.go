@@ -36,7 +36,7 @@ import (
 // Send is called from one goroutine and Recv from another, as FrameStream
 // says. Close closes conn, which ends both.
 func ConnStream(conn net.Conn) LaneStream {
-	s := &connStream{conn: conn, rd: laneReader{r: conn}, recvEnded: make(chan struct{})}
+	s := &connStream{conn: conn, rd: laneReader{r: conn, raw: readyReads(conn)}, recvEnded: make(chan struct{})}
 	tc, ok := conn.(*net.TCPConn)
 	if !ok {
 		// A bare TCP socket writes net.Buffers with one writev; anything
@@ -307,8 +307,9 @@ func (s *connStream) PeerEnded() bool { return s.peerEnded.Load() }
 // syscalls.
 type laneReader struct {
 	r     io.Reader
-	chunk mem.Buffer // our reference to the current chunk, nil if none
-	buf   []byte     // chunk's bytes; [rd, wr) are read and not yet handed out
+	raw   syscall.RawConn // r's socket when it is a bare TCP one (readReady); nil: read r
+	chunk mem.Buffer      // our reference to the current chunk, nil if none
+	buf   []byte          // chunk's bytes; [rd, wr) are read and not yet handed out
 	rd    int
 	wr    int
 }
@@ -404,17 +405,28 @@ const minLaneView = laneChunk / 4
 // chunk (and moving the few unread bytes into it) when the current one has
 // no room for them.
 func (l *laneReader) fill(n int) error {
-	if l.chunk == nil || l.rd+n > len(l.buf) || (l.rd == l.wr && len(l.buf)-l.wr < minLaneRead) {
+	// On a bare socket, readReady takes the chunk when there are bytes
+	// for it.
+	if (l.chunk == nil && l.raw == nil) || (l.chunk != nil && (l.rd+n > len(l.buf) || (l.rd == l.wr && len(l.buf)-l.wr < minLaneRead))) {
 		l.newChunk()
 	}
 	for l.wr-l.rd < n {
-		m, err := l.r.Read(l.buf[l.wr:])
+		m, err := l.read()
 		l.wr += m
 		if err != nil && l.wr-l.rd < n {
 			return unexpected(err)
 		}
 	}
 	return nil
+}
+
+// read reads once into the chunk: on a bare socket when it is readable
+// (readReady, which takes the chunk if fill dropped it), else from r.
+func (l *laneReader) read() (int, error) {
+	if l.raw != nil {
+		return l.readReady()
+	}
+	return l.r.Read(l.buf[l.wr:])
 }
 
 // newChunk replaces the current chunk with a fresh one, moving the bytes

@@ -169,7 +169,7 @@ func (q *sender) enqueue(c *Conn, env *tunnelpb.Envelope, fin bool) bool {
 func (q *sender) discard(c *Conn, env *tunnelpb.Envelope) {
 	if env.IsData() {
 		if c != nil {
-			c.queued.Add(-frameCharge(int64(env.DataLen())))
+			c.queued.Add(-c.dataCharge(env.DataLen()))
 		}
 		env.Payload.Free()
 		if f, ok := env.Deferred.(*splicedFrame); ok {
@@ -253,7 +253,7 @@ func (q *sender) next(wait bool) (*tunnelpb.Envelope, *Conn) {
 			}
 			q.mu.Unlock()
 			if env.IsData() {
-				c.queued.Add(-frameCharge(int64(env.DataLen())))
+				c.queued.Add(-c.dataCharge(env.DataLen()))
 				notify(c.writeNotify)
 			}
 			if remove {

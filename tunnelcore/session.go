@@ -80,7 +80,8 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 
 // Open opens a virtual connection. It does not wait for the peer: bytes
 // written at once travel behind the Connect frame, and a peer that refuses
-// the connection answers with an Error that the first Read returns.
+// the connection answers with an Error that the first Read returns. With
+// info.Datagram it opens a datagram flow (flow.go) instead.
 func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	info = info.wireSafe()
 	var id uint64
@@ -97,6 +98,12 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	}
 	c := newConn(s, id, info, int64(s.cfg.PeerWindow))
 	c.slot = true
+	window := uint32(InitialWindow)
+	if info.Datagram {
+		// No credit either way; window 0 makes a peer that predates
+		// flows refuse the Connect instead of taking it for a stream.
+		c.flow, c.credit, window = newFlowState(s), 0, 0
+	}
 	s.mu.Lock()
 	if s.isDone() {
 		s.mu.Unlock()
@@ -105,13 +112,15 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	}
 	s.conns[id] = c
 	s.mu.Unlock()
+	c.flow.start(c)
 	s.sendConnFrame(c, &tunnelpb.Frame{Kind: &tunnelpb.Frame_Connect{Connect: &tunnelpb.Connect{
 		ConnId:     id,
 		RouteKey:   info.RouteKey,
 		RemoteAddr: info.RemoteAddr,
 		LocalAddr:  info.LocalAddr,
 		ServerName: info.ServerName,
-		Window:     InitialWindow,
+		Window:     window,
+		Datagram:   info.Datagram,
 	}}})
 	return c, nil
 }

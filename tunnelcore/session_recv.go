@@ -100,7 +100,7 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d is not in the opener's id space", id))
 		return
 	}
-	if m.GetWindow() < InitialWindow {
+	if m.GetWindow() < InitialWindow && !m.GetDatagram() { // a flow has no credit
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connect window %d below the protocol minimum %d", m.GetWindow(), InitialWindow))
 		return
 	}
@@ -109,7 +109,11 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 		RemoteAddr: m.GetRemoteAddr(),
 		LocalAddr:  m.GetLocalAddr(),
 		ServerName: m.GetServerName(),
+		Datagram:   m.GetDatagram(),
 	}, int64(m.GetWindow()))
+	if m.GetDatagram() {
+		c.flow, c.credit = newFlowState(s), 0
+	}
 	s.mu.Lock()
 	if s.isDone() {
 		// The session ended since the receive loop looked: the table it
@@ -131,6 +135,7 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 	c.slot = true
 	s.conns[id] = c
 	s.mu.Unlock()
+	c.flow.start(c)
 	select {
 	case s.accept <- c:
 	default:

@@ -16,7 +16,8 @@ import (
 )
 
 // Kind is how a route is reached: by HTTP host, by TLS server name, by its
-// name alone or by a port of the node.
+// name alone or by a port of the node; and what it carries: HTTP requests,
+// TCP connections or (NamedUDP, UDPListenPort) datagram flows.
 type Kind uint8
 
 // The kinds of route. Invalid is Classify's answer for a route whose fields
@@ -51,12 +52,20 @@ const (
 	// ListenPort takes the raw TCP connections of one port of the node;
 	// never host or SNI routing.
 	ListenPort
+	// NamedUDP is a UDP service (DNS, a game server) reached by its name
+	// alone, from layer4's `sluice NAME` on a UDP server: a udp:// target,
+	// no port, and a name other than "*". Its client addresses' datagrams
+	// travel in datagram flows (proto/README §6.1).
+	NamedUDP
+	// UDPListenPort takes the datagrams of one UDP port of the node, in a
+	// flow per client address; never host or SNI routing.
+	UDPListenPort
 )
 
 // Kinds returns every valid kind, in declaration order: tests and docs
 // walk it to cover each.
 func Kinds() []Kind {
-	return []Kind{Host, HostPattern, CatchAll, TCPHost, TCPHostPattern, PassthroughHost, PassthroughPattern, NamedTCP, ListenPort}
+	return []Kind{Host, HostPattern, CatchAll, TCPHost, TCPHostPattern, PassthroughHost, PassthroughPattern, NamedTCP, ListenPort, NamedUDP, UDPListenPort}
 }
 
 // String names the kind for logs and docs.
@@ -80,6 +89,10 @@ func (k Kind) String() string {
 		return "named tcp service"
 	case ListenPort:
 		return "listen port"
+	case NamedUDP:
+		return "named udp service"
+	case UDPListenPort:
+		return "udp listen port"
 	case Invalid:
 		return "invalid"
 	}
@@ -96,6 +109,12 @@ func (k Kind) TakesHTTP() bool {
 	return false
 }
 
+// Datagram reports whether routes of the kind carry UDP datagrams in
+// datagram flows rather than connections.
+func (k Kind) Datagram() bool {
+	return k == NamedUDP || k == UDPListenPort
+}
+
 // Classify returns the kind of rt. A route whose fields do not make one
 // kind is Invalid with an *InvalidError naming the fields. It does not
 // check the fields' values (a host's syntax, a pattern, a port's range):
@@ -105,7 +124,12 @@ func Classify(rt *tunnelpb.Route) (Kind, error) {
 		return Invalid, err
 	}
 	host, pattern, tcp := rt.GetHost() != "", rt.GetHostPattern() != "", IsTCPTarget(rt.GetTarget())
+	udp := IsUDPTarget(rt.GetTarget())
 	switch {
+	case udp && rt.GetListenPort() != 0:
+		return UDPListenPort, nil
+	case udp:
+		return NamedUDP, nil
 	case rt.GetListenPort() != 0:
 		return ListenPort, nil
 	case rt.GetTlsPassthrough() && host:
@@ -129,10 +153,15 @@ func Classify(rt *tunnelpb.Route) (Kind, error) {
 
 // checkCombination reports the fields of rt that exclude or require one
 // another: a listen port is routed by nothing else, a route has a host or
-// a pattern, and passthrough is routed by server name, so it needs one.
+// a pattern, and passthrough is routed by server name, so it needs one. A
+// udp:// target is routed by name or port alone (UDP has no host or server
+// name to route by), and needs one of them.
 func checkCombination(rt *tunnelpb.Route) error {
 	var e InvalidError
 	host, pattern := rt.GetHost() != "", rt.GetHostPattern() != ""
+	if IsUDPTarget(rt.GetTarget()) {
+		checkUDP(rt, &e)
+	}
 	if host && pattern {
 		e.add("host_pattern", "host and host_pattern are mutually exclusive")
 	}
@@ -155,10 +184,35 @@ func checkCombination(rt *tunnelpb.Route) error {
 	return nil
 }
 
+// checkUDP adds the problems of a udp:// route's fields to e: a host,
+// pattern or passthrough (UDP carries no host name or TLS server name to
+// route by), or neither a name nor a port to be reached by. The name "*"
+// is the catch-all's, which no datagram flow is routed to.
+func checkUDP(rt *tunnelpb.Route, e *InvalidError) {
+	for _, f := range []struct {
+		set  bool
+		name string
+	}{{rt.GetHost() != "", "host"}, {rt.GetHostPattern() != "", "host_pattern"}, {rt.GetTlsPassthrough(), "tls_passthrough"}} {
+		if f.set {
+			e.add(f.name, "cannot be combined with a udp:// target")
+		}
+	}
+	if rt.GetListenPort() == 0 && Name(rt) == "*" {
+		e.add("target", `a udp:// target needs a name other than "*" or a listen_port`)
+	}
+}
+
 // IsTCPTarget reports whether target is tcp://, which marks a route the
-// agent relays verbatim: the one part of the target the node reads.
+// agent relays verbatim: one of the two parts of the target the node reads.
 func IsTCPTarget(target string) bool {
 	return strings.HasPrefix(target, "tcp://")
+}
+
+// IsUDPTarget reports whether target is udp://, which marks a route whose
+// clients' datagrams travel in datagram flows: the other part of the
+// target the node reads.
+func IsUDPTarget(target string) bool {
+	return strings.HasPrefix(target, "udp://")
 }
 
 // Name is the name rt goes by in AdvertiseAck, RejectedRoute and

@@ -35,6 +35,11 @@ func TestClassify(t *testing.T) {
 		{"listen port", &tunnelpb.Route{ListenPort: 2222, Target: "tcp://x:1"}, ListenPort},
 		{"listen port named", &tunnelpb.Route{Name: "ssh", ListenPort: 2222, Target: "tcp://x:1"}, ListenPort},
 		{"upper-case scheme is not tcp", &tunnelpb.Route{Name: "x", Target: "TCP://x:1"}, CatchAll},
+		{"named udp", &tunnelpb.Route{Name: "dns", Target: "udp://x:53"}, NamedUDP},
+		{"udp listen port", &tunnelpb.Route{ListenPort: 5353, Target: "udp://x:53"}, UDPListenPort},
+		{"udp listen port named", &tunnelpb.Route{Name: "dns", ListenPort: 5353, Target: "udp://x:53"}, UDPListenPort},
+		{"udp listen port named *", &tunnelpb.Route{Name: "*", ListenPort: 5353, Target: "udp://x:53"}, UDPListenPort},
+		{"upper-case scheme is not udp", &tunnelpb.Route{Name: "x", Target: "UDP://x:1"}, CatchAll},
 	}
 	covered := map[Kind]bool{}
 	for _, tt := range tests {
@@ -71,6 +76,16 @@ func TestClassifyInvalid(t *testing.T) {
 			{"tls_passthrough", "requires host or host_pattern"}, {"listen_port", "cannot be combined with tls_passthrough"}}},
 		{"port, host and passthrough", &tunnelpb.Route{Host: "a.test", TlsPassthrough: true, ListenPort: 1}, []Problem{
 			{"listen_port", "cannot be combined with host"}, {"listen_port", "cannot be combined with tls_passthrough"}}},
+		{"udp with host", &tunnelpb.Route{Host: "a.test", Target: "udp://x:1"},
+			[]Problem{{"host", "cannot be combined with a udp:// target"}}},
+		{"udp with pattern", &tunnelpb.Route{Name: "n", HostPattern: "a", Target: "udp://x:1"},
+			[]Problem{{"host_pattern", "cannot be combined with a udp:// target"}}},
+		{"udp passthrough", &tunnelpb.Route{Host: "a.test", TlsPassthrough: true, Target: "udp://x:1"}, []Problem{
+			{"host", "cannot be combined with a udp:// target"}, {"tls_passthrough", "cannot be combined with a udp:// target"}}},
+		{"udp unnamed", &tunnelpb.Route{Target: "udp://x:1"},
+			[]Problem{{"target", `a udp:// target needs a name other than "*" or a listen_port`}}},
+		{"udp named *", &tunnelpb.Route{Name: "*", Target: "udp://x:1"},
+			[]Problem{{"target", `a udp:// target needs a name other than "*" or a listen_port`}}},
 	}
 	for _, tt := range tests {
 		k, err := Classify(tt.route)
@@ -127,6 +142,15 @@ func TestName(t *testing.T) {
 	for _, tt := range tests {
 		if got := Name(tt.route); got != tt.want {
 			t.Errorf("Name(%v) = %q, want %q", tt.route, got, tt.want)
+		}
+	}
+}
+
+// TestDatagram: the udp:// kinds, and only they, carry datagram flows.
+func TestDatagram(t *testing.T) {
+	for _, k := range append(Kinds(), Invalid) {
+		if want := k == NamedUDP || k == UDPListenPort; k.Datagram() != want {
+			t.Errorf("%v.Datagram() = %v", k, k.Datagram())
 		}
 	}
 }
