@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command scale runs N sluice agents in this one process (the agent
 // library) against one running sluice node (Caddy with the sluice app) and
 // measures what the node pays for them: the time until all N are
