@@ -6,6 +6,8 @@ import (
 	"net"
 	"testing"
 
+	"github.com/sluice-tunnel/sluice/internal/testnet"
+
 	"google.golang.org/grpc/mem"
 )
 
@@ -13,20 +15,7 @@ import (
 // ReadOnReady (so gRPC pins no read buffer while it is idle), which gives
 // the peeked first byte, then what the socket has, then EOF.
 func TestReadyConnReadsOnReady(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	server, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	client, server := testnet.TCPPair(t)
 	conn := readyConnOf(&peekedConn{Conn: server, first: 'P', unread: true}, server)
 	defer conn.Close()
 	rr, ok := conn.(interface {

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sluice-tunnel/sluice/internal/testnet"
+
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -93,21 +95,7 @@ func TestHandleLogsNoRouteThrottled(t *testing.T) {
 // handle runs h.Handle on a fresh TCP connection.
 func handle(t *testing.T, h *Handler) error {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	server, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer server.Close()
+	_, server := testnet.TCPPair(t)
 	return h.Handle(layer4.WrapConnection(server, nil, zap.NewNop()), nil)
 }
 

@@ -3,10 +3,11 @@ package tunnelcore
 import (
 	"bytes"
 	"errors"
-	"net"
 	"os"
 	"testing"
 	"time"
+
+	"github.com/sluice-tunnel/sluice/internal/testnet"
 )
 
 // TestIdleLaneHoldsNoChunk: a lane reader on a bare TCP socket reads every
@@ -14,21 +15,7 @@ import (
 // socket has nothing, holds no chunk (an idle agent's lane pinned 256 KiB
 // of the node's memory).
 func TestIdleLaneHoldsNoChunk(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	conn, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	client, conn := testnet.TCPPair(t)
 	l := laneReader{r: conn, raw: readyReads(conn)}
 	defer l.dropChunk()
 	if l.raw == nil {
