@@ -1,6 +1,9 @@
 package tunnelcore
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
 func TestBudgetShareLeavesRoomForOneMore(t *testing.T) {
 	const mib = 1 << 20
@@ -48,7 +51,7 @@ func TestBudgetSharedFairlyByGrowingWindows(t *testing.T) {
 	for range 20 { // decisions, round-robin: every window asks to double
 		for i := range ws {
 			ws[i].peerBlocked, ws[i].readerWaited = true, true
-			ws[i].decide(b, maxWindow)
+			ws[i].decide(time.Now(), b, windowLimits{max: maxWindow, bdpMax: maxWindow})
 			if share := b.Limit() / (b.Holders() + 1); ws[i].charged > share {
 				t.Fatalf("window %d holds %d, above its share %d", i, ws[i].charged, share)
 			}

@@ -26,6 +26,10 @@ const (
 	// InitialWindow is charged to the Budget, so the node-wide bound on
 	// buffered bytes does not move.
 	DefaultMaxWindow = 4 << 20
+	// DefaultMaxBDPWindow is the largest a receive window grows by default
+	// when the tunnel's round trip makes the window the limit (see
+	// Config.MaxBDPWindow): 32 MiB is ~320 MB/s at 50 ms, ~160 at 100 ms.
+	DefaultMaxBDPWindow = 32 << 20
 	// DefaultMaxFrameSize is the largest DATA payload a session sends.
 	// Each DATA message costs a fixed amount of CPU on both ends (gRPC's
 	// send and receive path, the codec, dispatch), so larger messages move
@@ -73,6 +77,14 @@ type Config struct {
 	// MaxWindow is the largest a receive window may grow to by doubling.
 	// Default DefaultMaxWindow; at least InitialWindow.
 	MaxWindow int
+
+	// MaxBDPWindow is the largest a receive window may grow to past
+	// MaxWindow, and only while the bytes its reader takes per round trip
+	// of the tunnel (measured per connection, from a grant to the first
+	// byte that needed it) need more than half of it: the bandwidth-delay
+	// product of a long path. The Budget bounds it as it bounds every
+	// window. Default DefaultMaxBDPWindow; at least MaxWindow (equal: off).
+	MaxBDPWindow int
 
 	// MaxFrameSize is the largest DATA payload sent. Default
 	// DefaultMaxFrameSize; between 1 KiB and 1 MiB.
@@ -196,6 +208,12 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxWindow < InitialWindow || c.MaxWindow > 1<<30 {
 		return fmt.Errorf("tunnelcore: MaxWindow %d outside [%d, 1GiB]", c.MaxWindow, InitialWindow)
+	}
+	if c.MaxBDPWindow == 0 {
+		c.MaxBDPWindow = max(DefaultMaxBDPWindow, c.MaxWindow)
+	}
+	if c.MaxBDPWindow < c.MaxWindow || c.MaxBDPWindow > 1<<30 {
+		return fmt.Errorf("tunnelcore: MaxBDPWindow %d outside [MaxWindow %d, 1GiB]", c.MaxBDPWindow, c.MaxWindow)
 	}
 	if c.MaxFrameSize == 0 {
 		c.MaxFrameSize = DefaultMaxFrameSize

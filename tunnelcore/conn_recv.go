@@ -125,12 +125,13 @@ func (c *Conn) consumeTakenLocked(n int64) int64 {
 // counts, and returns the credit to grant.
 func (c *Conn) tookLocked(n int64) int64 {
 	c.countMoved(false, n)
-	c.rwin.lastConsume = time.Now()
+	now := time.Now()
+	c.rwin.lastConsume = now
 	c.rwin.reclaimSettled = false
 	if c.rstate != recvOpen || c.direct.Load().readMoved() {
 		return 0
 	}
-	return c.rwin.consume(n, c.s.cfg.Budget, int64(c.s.cfg.MaxWindow))
+	return c.rwin.consume(n, now, c.s.cfg.Budget, c.s.windowLimits)
 }
 
 func (c *Conn) grant(inc int64) {

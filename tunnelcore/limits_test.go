@@ -418,9 +418,16 @@ func TestReclaimAnswerAfterTheKeptCreditWasSpent(t *testing.T) {
 		sent += int64(n)
 	}
 
-	// Grow the window to 512 KiB: each round the reader waits first, then
-	// the peer says it is blocked and sends half the window.
-	for size := int64(InitialWindow); size < 512<<10; size *= 2 {
+	// Grow the window to 512 KiB or more: each round the reader waits
+	// first, then the peer says it is blocked and sends half the window
+	// (which doubles, or grows fourfold if the test's own delays look like
+	// a long round trip).
+	windowSize := func() int64 { c.mu.Lock(); defer c.mu.Unlock(); return c.rwin.size }
+	for round := 0; windowSize() < 512<<10; round++ {
+		if round == 8 {
+			t.Fatalf("window still %d bytes after %d rounds", windowSize(), round)
+		}
+		size := windowSize()
 		read := make(chan error, 1)
 		go func() { _, err := io.ReadFull(c, make([]byte, size/2)); read <- err }()
 		eventually(t, 5*time.Second, "the reader waiting", func() bool { c.mu.Lock(); defer c.mu.Unlock(); return c.rwin.readerWaited })

@@ -18,9 +18,10 @@ import (
 // a stream run a Session; either may Open connections and the other Accepts
 // them (in sluice the node opens and the agent accepts).
 type Session struct {
-	cfg    Config
-	stream FrameStream
-	sender sender
+	cfg          Config
+	windowLimits windowLimits // from cfg
+	stream       FrameStream
+	sender       sender
 
 	nextID atomic.Uint64
 
@@ -53,13 +54,14 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 		return nil, err
 	}
 	s := &Session{
-		cfg:     cfg,
-		stream:  stream,
-		conns:   make(map[uint64]*Conn),
-		accept:  make(chan *Conn, cfg.AcceptBacklog),
-		done:    make(chan struct{}),
-		flowLog: logthrottle.New(10*time.Second, 1),
-		peerLog: logthrottle.New(10*time.Second, 5),
+		cfg:          cfg,
+		windowLimits: windowLimits{max: int64(cfg.MaxWindow), bdpMax: int64(cfg.MaxBDPWindow)},
+		stream:       stream,
+		conns:        make(map[uint64]*Conn),
+		accept:       make(chan *Conn, cfg.AcceptBacklog),
+		done:         make(chan struct{}),
+		flowLog:      logthrottle.New(10*time.Second, 1),
+		peerLog:      logthrottle.New(10*time.Second, 5),
 
 		directDialing: make(chan struct{}, maxDirectDialing),
 		directLog:     logthrottle.New(directRetryAfter, 1),
