@@ -123,6 +123,10 @@ type routeEntry struct {
 	// nameValue is the route's name, boxed once for the request
 	// placeholders (setServedBy).
 	nameValue any
+	// active counts the TCP relays and datagram flows open on the route
+	// (layer4 lb_policy least_conn, lbpolicy.go). A repeated Advertise's
+	// entries start at zero: the old entries' relays count on those.
+	active atomic.Int64
 }
 
 // allows reports whether a client address (host:port or host) may use the

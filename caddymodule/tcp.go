@@ -19,10 +19,14 @@ import (
 // matcher records the name of every ClientHello it reads, also in a route
 // that did not match, so a catch-all `route { sluice }` after it must
 // still reach the port's route.
+//
+// LB chooses among the agents serving the route (nil: the first, by agent
+// id). A port the node bound has one agent, its owner, whatever LB says.
 type TCPTarget struct {
 	Route      string
 	ServerName string
 	LocalPort  uint32
+	LB         *LBPolicy
 }
 
 // ErrNoRoute is returned when no agent serves a TCP connection.
@@ -49,27 +53,35 @@ func (a *App) RelayTCP(client net.Conn, target TCPTarget) error {
 	return a.node.relayTCPAgain(client, e, target.ServerName, func() *routeEntry { return a.node.resolveTCP(target) })
 }
 
-// resolveTCP returns the route target selects in the current table.
+// resolveTCP returns the route target selects in the current table,
+// chosen among its agents by target.LB. Each call chooses anew, so the
+// retry of relayTCPAgain goes by the policy too.
 func (n *node) resolveTCP(target TCPTarget) *routeEntry {
 	t := n.reg.table.Load()
 	var routes []*routeEntry
 	switch {
 	case target.Route != "":
 		routes = t.lookupName(target.Route)
+		if target.LB.spreads() && len(routes) == 1 && routeName(routes[0].route) != target.Route {
+			routes = sniPeers(t, target.Route, routes) // found as a server name
+		}
 	case target.ServerName != "":
 		routes = t.lookupSNI(target.ServerName)
+		if target.LB.spreads() {
+			routes = sniPeers(t, target.ServerName, routes)
+		}
 	}
 	routes = streamRoutes(routes) // a name may be a UDP service's too
 	if len(routes) == 0 && target.Route == "" {
+		// A port the node bound (tcp_port_range) has one owner, the
+		// agent that claimed it: no policy applies. A layer4 server's
+		// own port is served by every agent advertising it.
 		if e := n.ports.owner(target.LocalPort); e != nil {
 			return e
 		}
 		routes = t.byPort.get(target.LocalPort)
 	}
-	if len(routes) == 0 {
-		return nil
-	}
-	return routes[0]
+	return target.LB.pick(routes)
 }
 
 // relayTCPAgain is relayTCP, once more with the route again returns if e's
@@ -99,6 +111,10 @@ func (n *node) relayTCPAgain(client net.Conn, e *routeEntry, serverName string, 
 // timeout passes with no byte either way.
 // x records what the access line says.
 func (n *node) relayTCP(client net.Conn, e *routeEntry, x *tcpAccess) error {
+	// Counted before the open, not after: connections arriving together
+	// then spread under least_conn instead of all seeing the same counts.
+	e.active.Add(1)
+	defer e.active.Add(-1)
 	// The connection's peer: layer4's proxy_protocol handler (with its
 	// allow list) replaces it with the PROXY header's source.
 	if !e.allows(client.RemoteAddr().String()) {

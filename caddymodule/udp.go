@@ -22,10 +22,14 @@ import (
 // Neither ever waits on a flow: a flow's writes queue or drop.
 
 // UDPTarget selects the route of a UDP client: an explicit route name,
-// else the port the client sent to.
+// else the port the client sent to. LB chooses among the agents serving
+// it (nil: the first, by agent id), once per client flow: a flow's
+// datagrams all go to the agent its first one went to. A port the node
+// bound has one agent, its owner, whatever LB says.
 type UDPTarget struct {
 	Route     string
 	LocalPort uint32
+	LB        *LBPolicy
 }
 
 // udpNode is a node's datagram flows: their limits, what was refused
@@ -105,23 +109,17 @@ const l4DatagramSize = 9000
 // resolveUDP returns the route target selects in the current table: the
 // UDP routes of that name (that their credential may serve by name), else
 // the owner of the node's port, else the udp:// listen-port routes of the
-// port (served by a layer4 server).
+// port (served by a layer4 server); among several, the one target.LB
+// chooses.
 func (n *node) resolveUDP(target UDPTarget) *routeEntry {
 	t := n.reg.table.Load()
 	if target.Route != "" {
-		return firstRoute(datagramRoutes(reachableByName(t.byName.get(target.Route))))
+		return target.LB.pick(datagramRoutes(reachableByName(t.byName.get(target.Route))))
 	}
 	if e := n.udp.ports.owner(target.LocalPort); e != nil {
 		return e
 	}
-	return firstRoute(t.byUDPPort.get(target.LocalPort))
-}
-
-func firstRoute(es []*routeEntry) *routeEntry {
-	if len(es) == 0 {
-		return nil
-	}
-	return es[0]
+	return target.LB.pick(t.byUDPPort.get(target.LocalPort))
 }
 
 // datagramRoutes keeps the routes that take datagram flows.
@@ -197,7 +195,9 @@ func (n *node) openFlow(e *routeEntry, client, local string) (*tunnelcore.Conn, 
 		n.udp.refuse(udpMaxFlowsPerAddr, client, name)
 		return nil, nil, ErrLimit
 	}
-	release := func() { releaseAddr(); releaseNode() }
+	// The flow counts on its route (lb_policy least_conn) until release.
+	e.active.Add(1)
+	release := func() { e.active.Add(-1); releaseAddr(); releaseNode() }
 	f, err := n.openFlowOn(e.agent, tunnelcore.ConnectInfo{RouteKey: name, RemoteAddr: client, LocalAddr: local, Datagram: true})
 	if err != nil {
 		release()

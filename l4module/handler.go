@@ -5,7 +5,8 @@
 // connected to. On a UDP server it carries each client address's datagrams
 // in a datagram flow to the agent's udp:// route, chosen by name or by the
 // port. Routing and the tunnel live in caddymodule; this package only
-// adapts caddy-l4 connections to it.
+// adapts caddy-l4 connections to it, and chooses among the agents serving
+// a route by its lb_policy.
 package l4module
 
 import (
@@ -40,6 +41,15 @@ type Handler struct {
 	// local port the client connected to (listen-port routes).
 	Route string `json:"route,omitempty"`
 
+	// LBPolicy chooses among the agents serving the route: "first" (the
+	// default: the smallest agent id, the same on every node),
+	// "round_robin", "random" or "least_conn" (the fewest connections
+	// open on the route through this node; the first on a tie). A port
+	// the node bound (tcp_port_range) has one agent, its owner. On a UDP
+	// server the choice is made for each new client flow.
+	LBPolicy string `json:"lb_policy,omitempty"`
+
+	lb *caddymodule.LBPolicy
 	// relay is the app's RelayTCP, relayUDP its RelayUDP (stand-ins in
 	// tests).
 	relay    func(net.Conn, caddymodule.TCPTarget) error
@@ -56,11 +66,16 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision finds the sluice app.
+// Provision checks lb_policy and finds the sluice app.
 func (h *Handler) Provision(ctx caddy.Context) error {
+	lb, err := caddymodule.NewLBPolicy(h.LBPolicy)
+	if err != nil {
+		return fmt.Errorf("lb_policy: %w", err)
+	}
+	h.lb = lb
 	appAny, err := ctx.App("sluice")
 	if err != nil {
-		return err
+		return fmt.Errorf("loading the sluice app: %w", err)
 	}
 	h.relay = appAny.(*caddymodule.App).RelayTCP
 	h.relayUDP = appAny.(*caddymodule.App).RelayUDP
@@ -75,7 +90,7 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	if local, ok := cx.LocalAddr().(*net.UDPAddr); ok {
 		return h.handleUDP(cx, local)
 	}
-	target := caddymodule.TCPTarget{Route: h.Route}
+	target := caddymodule.TCPTarget{Route: h.Route, LB: h.lb}
 	if sni, ok := cx.Replacer().GetString("l4.tls.server_name"); ok {
 		target.ServerName = sni
 	}
@@ -93,7 +108,7 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 // datagram) in a datagram flow, until the flow ends (the route's idle
 // timeout, the agent's end) or the server's idle_timeout ends cx.
 func (h *Handler) handleUDP(cx *layer4.Connection, local *net.UDPAddr) error {
-	target := caddymodule.UDPTarget{Route: h.Route, LocalPort: uint32(local.Port)}
+	target := caddymodule.UDPTarget{Route: h.Route, LocalPort: uint32(local.Port), LB: h.lb}
 	err := h.relayUDP(udpConn{cx}, target)
 	return h.relayError(err, caddymodule.TCPTarget{Route: target.Route, LocalPort: target.LocalPort}, cx.RemoteAddr().String())
 }
@@ -160,12 +175,17 @@ func clientGone(err error) bool {
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
 //
-//	sluice [<route>]
+//	sluice [<route>] {
+//		lb_policy first|round_robin|random|least_conn
+//	}
 //
 // With no route, the connection goes to the route serving the TLS server
 // name a `tls` matcher or handler saw, else to the listen-port route of the
 // port the client connected to. On a UDP server (`udp/:53`) the route is a
 // udp:// one: by name, else by the port.
+//
+// lb_policy chooses among the agents serving the route (see
+// Handler.LBPolicy); the default is first. The block is optional.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // handler name
 	if d.NextArg() {
@@ -174,8 +194,25 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
-	if d.NextBlock(0) {
-		return d.Errf("sluice: unrecognized option %q", d.Val())
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "lb_policy":
+			if h.LBPolicy != "" {
+				return d.Err("sluice: lb_policy given twice")
+			}
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			h.LBPolicy = d.Val()
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			if err := caddymodule.ValidLBPolicy(h.LBPolicy); err != nil {
+				return d.Errf("sluice: lb_policy: %v", err)
+			}
+		default:
+			return d.Errf("sluice: unrecognized option %q", d.Val())
+		}
 	}
 	return nil
 }
