@@ -14,22 +14,54 @@ import (
 
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "sluice",
-		Usage: "issue-cert --credential <name> [--name <name>] [--lifetime <duration>] [--out <dir>] [--force] [--address <admin> | --config <path> [--adapter <name>]]",
+		Usage: "issue-cert --credential <name> [--name <name>] [--lifetime <duration>] [--out <dir>] [--force] [--address <admin> | --config <path> [--adapter <name>]] | version",
 		Short: "Works with the sluice app of a running Caddy",
 		Long: `
 Works with the sluice app of a running Caddy through its admin API.
 
 issue-cert issues a client certificate for an agent of a credential with a
-client_identity, signed by the client_auth CA of the running config.`,
+client_identity, signed by the client_auth CA of the running config.
+
+version prints the version of sluice built into this Caddy.`,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.AddCommand(issueCertCommand())
+			cmd.AddCommand(versionCommand())
 		},
 	})
+}
+
+// versionCommand is `caddy sluice version`: what `caddy version` is to
+// Caddy, for the sluice modules of an xcaddy build. Its first line is the
+// build the node sends agents in every AdvertiseAck (agents log it as
+// node_build), so an operator matches one against the other.
+func versionCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Prints the version of sluice built into this Caddy",
+		Long: `
+Prints the build line the node reports to agents ("sluice-node <version>
+(<go version>)"), then from the binary's build info its main package, the
+sluice module (with its checksum, or the local directory it was replaced
+with by xcaddy --with), Caddy's and caddy-l4's modules and, for a build
+from a checkout, the VCS revision.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			_, err := io.WriteString(cmd.OutOrStdout(), nodeVersionText())
+			return err
+		},
+	}
+}
+
+// nodeVersionText is what `caddy sluice version` prints.
+func nodeVersionText() string {
+	return tunnelpb.VersionText("sluice-node", "", "github.com/caddyserver/caddy/v2", "github.com/mholt/caddy-l4")
 }
 
 // issueCertCommand is `caddy sluice issue-cert`.

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // fakeIssueAdmin is an admin API whose /sluice/certificates answers with
@@ -171,5 +173,33 @@ func TestIssueCertCommandRefusals(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		t.Errorf("refused runs left files: %v", entries)
+	}
+}
+
+// TestVersionCommand: `caddy sluice version` prints the node's build line
+// (the one agents log as node_build) first, then the build info; it is
+// registered beside issue-cert.
+func TestVersionCommand(t *testing.T) {
+	var out bytes.Buffer
+	cmd := versionCommand()
+	cmd.SetOut(&out)
+	cmd.SetArgs(nil)
+	if err := cmd.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	first, rest, _ := strings.Cut(out.String(), "\n")
+	if want := tunnelpb.Build("sluice-node", ""); first != want {
+		t.Errorf("first line %q, want %q", first, want)
+	}
+	// The test binary's build info names its main package.
+	if !strings.HasPrefix(rest, "path ") {
+		t.Errorf("build info lines:\n%s", rest)
+	}
+	cmd = versionCommand()
+	cmd.SetOut(&out)
+	cmd.SetErr(&out)
+	cmd.SetArgs([]string{"extra"})
+	if err := cmd.Execute(); err == nil {
+		t.Error("version took an argument")
 	}
 }

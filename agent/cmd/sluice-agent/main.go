@@ -1,6 +1,12 @@
 // Command sluice-agent exposes local services through a sluice node: it dials
 // out to the node over gRPC and serves the connections the node opens by
 // dialing its configured upstreams. Run with -h for the flags.
+//
+// Commands:
+//
+//	sluice-agent [flags]          run the agent
+//	sluice-agent check [flags]    check the configuration against the node, then exit (see check.go)
+//	sluice-agent version          print the version and build information
 package main
 
 import (
@@ -23,33 +29,47 @@ func main() {
 }
 
 func run(args []string) int {
+	if len(args) > 0 {
+		switch args[0] {
+		case "check":
+			return runCheck(args[1:], os.Stdout, os.Stderr, os.Getenv)
+		case "version":
+			if len(args) > 1 {
+				fmt.Fprintf(os.Stderr, "sluice-agent: version takes no arguments, got %q\n", args[1])
+				return exitConfig
+			}
+			fmt.Print(versionText())
+			return 0
+		}
+	}
 	for _, a := range args {
 		if a == "--" {
 			break
 		}
 		if a == "-version" || a == "--version" {
-			fmt.Println(agent.BuildString())
+			fmt.Print(versionText())
 			return 0
 		}
 	}
 	cfg, err := agent.ParseFlags(args, os.Getenv)
 	if errors.Is(err, agent.ErrVersion) { // -version=true, say
-		fmt.Println(agent.BuildString())
+		fmt.Print(versionText())
 		return 0
 	}
 	if errors.Is(err, flag.ErrHelp) {
 		fmt.Println(err.Error())
+		fmt.Print(commandsHelp)
 		return 0
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "sluice-agent: %v\n", err)
-		return 2
+		return exitConfig
 	}
 
 	logger, err := newLogger(cfg.ZapLevel())
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "sluice-agent: logger: %v\n", err)
-		return 1
+		return exitFailed
 	}
 	defer logger.Sync() //nolint:errcheck // stderr
 
@@ -59,8 +79,10 @@ func run(args []string) int {
 
 	a, err := agent.New(cfg, logger)
 	if err != nil {
-		logger.Error("agent failed", zap.Error(err))
-		return 1
+		// New fails on the configuration alone (a CA or certificate file
+		// that cannot be read): a restart would fail alike.
+		logger.Error("invalid configuration", zap.Error(err))
+		return exitConfig
 	}
 	logger.Info("starting", zap.String("build", agent.BuildString()), zap.String("agent_id", cfg.ID),
 		zap.String("server", cfg.Server), zap.Int("upstreams", len(cfg.Upstreams)))
@@ -74,7 +96,7 @@ func run(args []string) int {
 	}
 	if err != nil {
 		logger.Error("agent failed", zap.Error(err))
-		return 1
+		return exitFailed
 	}
 	return 0
 }
