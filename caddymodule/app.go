@@ -77,8 +77,9 @@ type App struct {
 	// Advertise before it is failed with DEADLINE_EXCEEDED. Default 10s.
 	AdvertiseTimeout caddy.Duration `json:"advertise_timeout,omitempty"`
 
-	// TCPPortRange is the range of ports ("16000-16999") agents may claim
-	// with listen-port routes; the app binds each claimed port while its
+	// TCPPortRange is the list of ports agents may claim with listen-port
+	// routes: comma-separated ports and lo-hi ranges ("16000-16099,17000";
+	// overlapping pieces are merged); the app binds each claimed port while its
 	// agent is connected. Unset: the app binds none, and listen-port routes
 	// are served only by layer4 servers of the config that route by port.
 	// A reload that changes the range (or tcp_bind) applies to connected
@@ -282,7 +283,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.logger.Warn("sluice: the token is short; anyone who guesses it can serve any host through this node",
 			zap.Int("length", len(token)), zap.Int("recommended_min", minTokenLength))
 	}
-	if a.portRange, err = parsePortRange(a.TCPPortRange); err != nil {
+	if a.portRange, err = parsePortList("tcp_port_range", a.TCPPortRange); err != nil {
 		return fmt.Errorf("sluice: %w", err)
 	}
 	if a.udpOpts, err = a.UDPOptions.provision(); err != nil {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -12,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/dustin/go-humanize"
+	"golang.org/x/net/http/httpguts"
 )
 
 func init() {
@@ -49,10 +52,13 @@ func init() {
 //	        revoke <serial>...                # hex serials of revoked certificates
 //	    }
 //	    advertise_timeout <duration>
-//	    tcp_port_range    <lo>-<hi>        # ports agents may claim (listen-port routes)
+//	    tcp_port_range    <ports>...       # ports agents may claim (listen-port routes): ports
+//	                                       # and lo-hi ranges, comma- or space-separated, as
+//	                                       # 16000-16099,17000; overlaps are merged
 //	    tcp_bind          <host>           # where claimed ports bind (default all)
 //	    verbatim_idle_timeout <duration>   # close relayed TCP idle this long (default off)
-//	    udp_port_range    <lo>-<hi>        # UDP ports agents may claim (udp:// listen-port routes)
+//	    udp_port_range    <ports>...       # UDP ports agents may claim (udp:// listen-port routes),
+//	                                       # in tcp_port_range's syntax
 //	    udp_bind          <host>           # where claimed UDP ports bind (default all)
 //	    max_udp_flows     <n>              # datagram flows open at once (default 8192)
 //	    max_udp_flows_per_address <n>      # of one client IP (default 1024)
@@ -122,11 +128,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "verbatim_idle_timeout":
 			err = durationArg(d, &a.VerbatimIdleTimeout)
 		case "tcp_port_range":
-			if err = singleArg(d, &a.TCPPortRange); err == nil {
-				if _, perr := parsePortRange(a.TCPPortRange); perr != nil {
-					err = d.Errf("sluice: %v", perr)
-				}
-			}
+			err = portListArg(d, &a.TCPPortRange)
 		case "tcp_bind":
 			err = singleArg(d, &a.TCPBind)
 		case "max_connections":
@@ -184,6 +186,24 @@ func singleArg(d *caddyfile.Dispenser, dst *string) error {
 	return nil
 }
 
+// portListArg reads the port list of option tcp_port_range or
+// udp_port_range: one or more arguments, each a port, a lo-hi range or a
+// comma-separated list of them ("16000-16099,17000" or "16000-16099
+// 17000"), joined into the comma-separated JSON form.
+func portListArg(d *caddyfile.Dispenser, dst *string) error {
+	opt := d.Val()
+	args := d.RemainingArgs()
+	if len(args) == 0 {
+		return d.Errf("sluice: %s: missing value", opt)
+	}
+	list := strings.Join(args, ",")
+	if _, err := parsePortList(opt, list); err != nil {
+		return d.Errf("sluice: %v", err)
+	}
+	*dst = list
+	return nil
+}
+
 func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
 	opt := d.Val()
 	var s string
@@ -218,9 +238,14 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
 //	    stream_max_request_time       <duration>           # streams and upgrades; default none
 //	    stream_idle_timeout           <duration>           # silence between stream bytes
 //
+//	    response_header_timeout       <duration>|off       # wait for the response head; default 60s, then 504
+//
 //	    # client forwarding headers (see Handler)
 //	    keep_forwarded_headers        # pass Forwarded and X-Real-IP from every client
 //	    trusted_proxies <ranges...>   # reverse_proxy's: these keep them (and X-Forwarded-*)
+//	    forward_headers <names...>    # allow-list: only these request headers cross (repeatable;
+//	                                  # no names: none); Host, the body's Content-* and what
+//	                                  # reverse_proxy and upgrades need always do (see Handler)
 //
 //	    ... (any other reverse_proxy subdirective)
 //	}
@@ -228,7 +253,12 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration) error {
 // By default the Forwarded and X-Real-IP headers a client sent are removed
 // before proxying unless the client is a trusted proxy (the server's
 // trusted_proxies or the directive's), as reverse_proxy does for
-// X-Forwarded-*.
+// X-Forwarded-*. response_header_timeout 0 is off, as off is; it does not
+// apply to stream_path_prefixes, and ends with the response head (see
+// StreamPolicy.ResponseHeaderTimeout). Its name and meaning follow
+// reverse_proxy's `transport http { response_header_timeout }`; the sluice
+// transport takes that one too (unset by default), which bounds only the
+// wait after the request is written, in every exchange, streams included.
 func parseHandlerDirective(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	d := h.Dispenser
 	d.Next() // directive name
@@ -368,6 +398,20 @@ func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
 				default:
 					p.StreamIdleTimeout = caddy.Duration(dur)
 				}
+			case "response_header_timeout":
+				args := d.RemainingArgs()
+				d.DeleteN(len(args) + 1)
+				if len(args) != 1 {
+					return d.Errf("sluice: %s: want one duration, or off", opt)
+				}
+				var dur time.Duration
+				if args[0] != "off" {
+					var perr error
+					if dur, perr = caddy.ParseDuration(args[0]); perr != nil || dur < 0 {
+						return d.Errf("sluice: %s: %q is not a duration (or off)", opt, args[0])
+					}
+				}
+				p.ResponseHeaderTimeout = new(caddy.Duration(dur))
 			default:
 				// reverse_proxy's: skip its arguments, which may read like
 				// one of the options above (header_up X-Mode max_request_time).
@@ -381,24 +425,39 @@ func (p *StreamPolicy) unmarshalAndStrip(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// unmarshalForwardingAndStrip reads keep_forwarded_headers and deletes its
-// tokens, so reverse_proxy's parser does not see them.
+// unmarshalForwardingAndStrip reads keep_forwarded_headers and
+// forward_headers and deletes their tokens, so reverse_proxy's parser does
+// not see them. forward_headers may repeat (the lists add up); with no
+// names it lets none of the client's own headers cross.
 func (h *Handler) unmarshalForwardingAndStrip(d *caddyfile.Dispenser) error {
 	for d.Next() {
 		for d.NextBlock(0) {
 			if d.Nesting() != 1 {
 				continue
 			}
-			if d.Val() != "keep_forwarded_headers" {
+			switch d.Val() {
+			case "keep_forwarded_headers":
+				args := d.RemainingArgs()
+				d.DeleteN(len(args) + 1)
+				if len(args) != 0 {
+					return d.Errf("sluice: keep_forwarded_headers: takes no value, got %q", args[0])
+				}
+				h.KeepForwardedHeaders = true
+			case "forward_headers":
+				args := d.RemainingArgs()
+				d.DeleteN(len(args) + 1)
+				for _, name := range args {
+					if !httpguts.ValidHeaderFieldName(name) || strings.HasPrefix(name, ":") {
+						return d.Errf("sluice: forward_headers: %q is not a header name", name)
+					}
+				}
+				if h.ForwardHeaders == nil {
+					h.ForwardHeaders = new([]string{})
+				}
+				*h.ForwardHeaders = append(*h.ForwardHeaders, args...)
+			default:
 				d.RemainingArgs() // reverse_proxy's, arguments and all
-				continue
 			}
-			args := d.RemainingArgs()
-			d.DeleteN(len(args) + 1)
-			if len(args) != 0 {
-				return d.Errf("sluice: keep_forwarded_headers: takes no value, got %q", args[0])
-			}
-			h.KeepForwardedHeaders = true
 		}
 	}
 	return nil

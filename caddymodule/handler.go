@@ -17,6 +17,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+	"golang.org/x/net/http/httpguts"
 
 	"github.com/sluice-tunnel/sluice/internal/hostname"
 )
@@ -60,6 +61,20 @@ const DefaultStreamCloseDelay = 24 * time.Hour
 // with them, unless keep_forwarded_headers is set. header_up applies after
 // the removal, so `header_up X-Real-IP {client_ip}` sets the header from
 // the address Caddy trusts.
+//
+// Header allow-list. With forward_headers set, only the request headers it
+// names cross to the agent's upstream, as the edge relay of the reference
+// does: cookies, credentials and whatever else a caller invents stop at the
+// edge unless listed (see ForwardHeaders for what HTTP itself needs and
+// always passes). header_up applies after the allow-list and may add any
+// header, including from a dropped one ({http.request.header.*} reads the
+// request as the client sent it).
+//
+// Deadline before the response head. An exchange that waits for its
+// response head longer than response_header_timeout (default 60 s; see
+// StreamPolicy) is answered 504 Gateway Timeout: an upstream that accepts
+// and never answers cannot hold a client for good. A stream whose head came
+// is not cut by it.
 type Handler struct {
 	reverseproxy.Handler
 	StreamPolicy
@@ -70,8 +85,32 @@ type Handler struct {
 	// every client is trusted (a proxy in front that rewrites them).
 	KeepForwardedHeaders bool `json:"keep_forwarded_headers,omitempty"`
 
+	// ForwardHeaders, when set, is the allow-list of request headers
+	// (names, case-insensitive) that cross to the agent's upstream; the
+	// others are dropped. Unset: every header crosses (less reverse_proxy's
+	// hop-by-hop ones and the forwarding headers above). An empty list
+	// lets none of the client's own headers cross.
+	//
+	// What HTTP needs crosses whatever the list says: the Host (the
+	// request's authority, which routes the request); the headers that
+	// describe the body, which crosses (Content-Type, Content-Encoding,
+	// Content-Length; the framing of the body is the transport's own);
+	// the hop-by-hop Connection, Upgrade and TE, which reverse_proxy
+	// strips but for an upgrade and gRPC's "TE: trailers"; on an upgrade
+	// request (a WebSocket), its handshake (Sec-WebSocket-Key, -Version,
+	// -Protocol, -Extensions, and HTTP/2's :protocol); and X-Forwarded-For,
+	// -Proto and -Host, which reverse_proxy replaces for a client that is
+	// not a trusted proxy and extends for one (`header_up -X-Forwarded-For`
+	// removes them), as it adds its own Via after the list.
+	// Forwarded and X-Real-IP cross only when listed, and then under the
+	// rule above.
+	ForwardHeaders *[]string `json:"forward_headers,omitempty"`
+
 	app    *App
 	logger *zap.Logger
+	// forward is ForwardHeaders by canonical name; nil: every header
+	// crosses.
+	forward map[string]struct{}
 	// trustedProxies is reverse_proxy's trusted_proxies, parsed: requests
 	// from them keep their forwarding headers, as their X-Forwarded-*.
 	trustedProxies []netip.Prefix
@@ -125,6 +164,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if err := h.parseTrustedProxies(); err != nil {
+		return err
+	}
+	if err := h.provisionForwardHeaders(); err != nil {
 		return err
 	}
 	app, err := sluiceApp(ctx)
@@ -197,8 +239,82 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	r = h.withoutClientForwarding(r)
 	return h.serveWithPolicy(w, r, func(w http.ResponseWriter, r *http.Request) error {
-		return h.Handler.ServeHTTP(w, r, next)
+		// The allow-list applies here, after the stream policy
+		// classified the request on the client's own Accept.
+		return h.Handler.ServeHTTP(w, h.withForwardHeaders(r), next)
 	})
+}
+
+// provisionForwardHeaders checks forward_headers and indexes it.
+func (h *Handler) provisionForwardHeaders() error {
+	h.forward = nil
+	if h.ForwardHeaders == nil {
+		return nil
+	}
+	h.forward = make(map[string]struct{}, len(*h.ForwardHeaders))
+	for _, name := range *h.ForwardHeaders {
+		if !httpguts.ValidHeaderFieldName(name) {
+			return fmt.Errorf("sluice: forward_headers: %q is not a header name", name)
+		}
+		h.forward[http.CanonicalHeaderKey(name)] = struct{}{}
+	}
+	return nil
+}
+
+// alwaysForwarded are the headers that cross whatever forward_headers
+// says (see Handler.ForwardHeaders for why), by canonical name.
+var alwaysForwarded = map[string]struct{}{
+	"Content-Type": {}, "Content-Encoding": {}, "Content-Length": {},
+	"Connection": {}, "Upgrade": {}, "Te": {},
+	"X-Forwarded-For": {}, "X-Forwarded-Proto": {}, "X-Forwarded-Host": {},
+}
+
+// upgradeHandshake are the WebSocket handshake headers, which cross on an
+// upgrade request whatever forward_headers says.
+var upgradeHandshake = map[string]struct{}{
+	"Sec-Websocket-Key": {}, "Sec-Websocket-Version": {}, "Sec-Websocket-Protocol": {}, "Sec-Websocket-Extensions": {},
+}
+
+// forwards reports whether header k crosses under forward_headers.
+func (h *Handler) forwards(k string, upgrade bool) bool {
+	if strings.HasPrefix(k, ":") {
+		return true // an HTTP/2 pseudo-header (extended CONNECT's :protocol)
+	}
+	ck := http.CanonicalHeaderKey(k)
+	if _, ok := h.forward[ck]; ok {
+		return true
+	}
+	if _, ok := alwaysForwarded[ck]; ok {
+		return true
+	}
+	_, ok := upgradeHandshake[ck]
+	return ok && upgrade
+}
+
+// withForwardHeaders returns r with only the headers forward_headers lets
+// cross (r itself when it is unset or every header may). The headers are
+// removed from a copy: the access log and placeholders see the request as
+// the client sent it.
+func (h *Handler) withForwardHeaders(r *http.Request) *http.Request {
+	if h.forward == nil {
+		return r
+	}
+	upgrade := r.Header.Get("Upgrade") != "" || r.Method == http.MethodConnect
+	var r2 *http.Request
+	for k := range r.Header {
+		if h.forwards(k, upgrade) {
+			continue
+		}
+		if r2 == nil {
+			r2 = r.WithContext(r.Context())
+			r2.Header = r.Header.Clone()
+		}
+		delete(r2.Header, k)
+	}
+	if r2 == nil {
+		return r
+	}
+	return r2
 }
 
 // parseTrustedProxies parses reverse_proxy's trusted_proxies ahead of

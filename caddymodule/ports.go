@@ -1,9 +1,11 @@
 package caddymodule
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,33 +14,113 @@ import (
 	"go.uber.org/zap"
 )
 
-// portRange is an inclusive range of ports agents may claim.
-type portRange struct{ lo, hi uint32 }
-
-func (r portRange) contains(p uint32) bool { return r.lo != 0 && p >= r.lo && p <= r.hi }
-
-func (r portRange) String() string {
-	if r.lo == 0 {
-		return "unset"
-	}
-	return fmt.Sprintf("%d-%d", r.lo, r.hi)
+// portRange is a set of ports agents may claim: one or more inclusive
+// spans, kept sorted and merged in their canonical text ("16000-16099,17000"),
+// so that == tells whether a reload changed it. lo and hi bound the set; lo
+// 0 is the unset set, which contains no port. A portRange with lo and hi but
+// no spans is the single span lo-hi.
+type portRange struct {
+	lo, hi uint32
+	spans  string // canonical: sorted, merged, comma-separated "lo-hi" or "port"
 }
 
-// parsePortRange parses "16000-16999" or a single port.
+// contains reports whether port p is in the set.
+func (r portRange) contains(p uint32) bool {
+	if r.lo == 0 || p < r.lo || p > r.hi {
+		return false
+	}
+	if r.spans == "" {
+		return true
+	}
+	for rest := r.spans; rest != ""; {
+		var piece string
+		piece, rest, _ = strings.Cut(rest, ",")
+		lo, hi, err := parsePortSpan(piece)
+		if err == nil && p >= lo && p <= hi {
+			return true
+		}
+	}
+	return false
+}
+
+func (r portRange) String() string {
+	switch {
+	case r.lo == 0:
+		return "unset"
+	case r.spans == "":
+		return fmt.Sprintf("%d-%d", r.lo, r.hi)
+	}
+	return r.spans
+}
+
+// parsePortRange parses a port list: comma-separated single ports and
+// lo-hi ranges, as "16000-16099,17000" (the reference's
+// sluice.tcp-port-range). Pieces may come in any order; overlapping and
+// adjacent ones are merged, since the list only says which ports may be
+// claimed. "" is the unset set. The error names the bad piece but no
+// option: parsePortList adds it.
 func parsePortRange(s string) (portRange, error) {
-	if s == "" {
+	if strings.TrimSpace(s) == "" {
 		return portRange{}, nil
 	}
-	lo, hi, found := strings.Cut(s, "-")
+	var spans [][2]uint32
+	for piece := range strings.SplitSeq(s, ",") {
+		lo, hi, err := parsePortSpan(piece)
+		if err != nil && !strings.Contains(s, ",") {
+			return portRange{}, fmt.Errorf("%q is not a port range like 16000-16999, a port, or a list like 16000-16099,17000", s)
+		}
+		if err != nil {
+			return portRange{}, fmt.Errorf("%q: %w", s, err)
+		}
+		spans = append(spans, [2]uint32{lo, hi})
+	}
+	slices.SortFunc(spans, func(a, b [2]uint32) int { return cmp.Compare(a[0], b[0]) })
+	merged := spans[:1]
+	for _, sp := range spans[1:] {
+		last := &merged[len(merged)-1]
+		if sp[0] <= last[1]+1 {
+			last[1] = max(last[1], sp[1])
+			continue
+		}
+		merged = append(merged, sp)
+	}
+	var b strings.Builder
+	for i, sp := range merged {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(strconv.FormatUint(uint64(sp[0]), 10))
+		if sp[1] != sp[0] {
+			b.WriteByte('-')
+			b.WriteString(strconv.FormatUint(uint64(sp[1]), 10))
+		}
+	}
+	return portRange{lo: merged[0][0], hi: merged[len(merged)-1][1], spans: b.String()}, nil
+}
+
+// parsePortList is parsePortRange with the option's name in its error,
+// for tcp_port_range and udp_port_range alike.
+func parsePortList(option, s string) (portRange, error) {
+	r, err := parsePortRange(s)
+	if err != nil {
+		return r, fmt.Errorf("%s: %w", option, err)
+	}
+	return r, nil
+}
+
+// parsePortSpan parses one piece of a port list: "16000-16099" or "17000"
+// (spaces around the numbers allowed).
+func parsePortSpan(piece string) (lo, hi uint32, err error) {
+	l, h, found := strings.Cut(piece, "-")
 	if !found {
-		hi = lo
+		h = l
 	}
-	l, err1 := strconv.ParseUint(strings.TrimSpace(lo), 10, 16)
-	h, err2 := strconv.ParseUint(strings.TrimSpace(hi), 10, 16)
-	if err1 != nil || err2 != nil || l == 0 || h < l {
-		return portRange{}, fmt.Errorf("tcp_port_range: %q is not a port range like 16000-16999", s)
+	pl, err1 := strconv.ParseUint(strings.TrimSpace(l), 10, 16)
+	ph, err2 := strconv.ParseUint(strings.TrimSpace(h), 10, 16)
+	if err1 != nil || err2 != nil || pl == 0 || ph < pl {
+		return 0, 0, fmt.Errorf("piece %q is not a port (1-65535) or a range like 16000-16999", strings.TrimSpace(piece))
 	}
-	return portRange{uint32(l), uint32(h)}, nil
+	return uint32(pl), uint32(ph), nil
 }
 
 // portClaim is one port the node listens on for listen-port routes. The

@@ -4,6 +4,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -214,5 +215,64 @@ func TestPortBindsAndReleasesAreLoggedThrottled(t *testing.T) {
 	releases := logs.FilterMessage("released agent port route").Len()
 	if binds+releases > 64 {
 		t.Fatalf("%d binds and %d releases logged for %d of each", binds, releases, rounds)
+	}
+}
+
+// TestParsePortList: tcp_port_range and udp_port_range take ports and
+// ranges, comma-separated, in any order; overlapping and adjacent pieces
+// merge; a bad piece fails naming the option and the piece.
+func TestParsePortList(t *testing.T) {
+	for _, tc := range []struct {
+		in, canon string
+		in1, out  []uint32 // ports inside, and outside, the set
+	}{
+		{"16000-16999", "16000-16999", []uint32{16000, 16500, 16999}, []uint32{15999, 17000}},
+		{"17000", "17000", []uint32{17000}, []uint32{16999, 17001}},
+		{"16000-16099,17000", "16000-16099,17000", []uint32{16000, 16099, 17000}, []uint32{16100, 16999, 17001}},
+		{" 17000 , 16000 - 16099 ", "16000-16099,17000", []uint32{16050, 17000}, []uint32{16500}},
+		{"9000-9010,8080", "8080,9000-9010", []uint32{8080, 9005}, []uint32{8081, 9011}},
+		{"16000-16099,16050-16199,16200", "16000-16200", []uint32{16000, 16150, 16200}, []uint32{16201}},
+		{"5,5,6,8", "5-6,8", []uint32{5, 6, 8}, []uint32{7, 9}},
+		{"1-65535", "1-65535", []uint32{1, 65535}, []uint32{0}},
+	} {
+		r, err := parsePortList("tcp_port_range", tc.in)
+		if err != nil {
+			t.Fatalf("%q: %v", tc.in, err)
+		}
+		if r.String() != tc.canon {
+			t.Errorf("%q: canonical %q, want %q", tc.in, r.String(), tc.canon)
+		}
+		for _, p := range tc.in1 {
+			if !r.contains(p) {
+				t.Errorf("%q: %d must be inside", tc.in, p)
+			}
+		}
+		for _, p := range tc.out {
+			if r.contains(p) {
+				t.Errorf("%q: %d must be outside", tc.in, p)
+			}
+		}
+	}
+	// The same set written differently is the same portRange: a reload
+	// that only reorders the list changes nothing.
+	a, _ := parsePortRange("17000,16000-16099")
+	b, _ := parsePortRange("16000-16050,16051-16099,17000")
+	if a != b {
+		t.Errorf("%v != %v", a, b)
+	}
+	if r, err := parsePortRange(""); err != nil || r.lo != 0 || r.contains(16000) || r.String() != "unset" {
+		t.Errorf("empty: %+v %v", r, err)
+	}
+	for _, tc := range []struct{ option, in, want string }{
+		{"tcp_port_range", "16000-16099,abc", `tcp_port_range: "16000-16099,abc": piece "abc" is not a port`},
+		{"tcp_port_range", "16000-16099,", `tcp_port_range: "16000-16099,": piece "" is not a port`},
+		{"udp_port_range", "17000,0", `udp_port_range: "17000,0": piece "0" is not a port`},
+		{"udp_port_range", "9-1,20", `udp_port_range: "9-1,20": piece "9-1"`},
+		{"tcp_port_range", "70000", `tcp_port_range: "70000" is not a port range`},
+		{"udp_port_range", "5-1", `udp_port_range: "5-1" is not a port range`},
+	} {
+		if _, err := parsePortList(tc.option, tc.in); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v, want %q", tc.in, err, tc.want)
+		}
 	}
 }

@@ -50,6 +50,28 @@ type StreamPolicy struct {
 	// upgraded connections, counted from the request's start. 0: none.
 	StreamMaxRequestTime caddy.Duration `json:"stream_max_request_time,omitempty"`
 
+	// ResponseHeaderTimeout bounds the wait for the response head, so an
+	// upstream (or agent) that accepts a request and never answers cannot
+	// park the exchange for good: when it passes, the client gets 504
+	// Gateway Timeout. Unset: DefaultResponseHeaderTimeout (60 s, as
+	// nginx's proxy_read_timeout); 0 turns it off.
+	//
+	// Like reverse_proxy's transport response_header_timeout it counts
+	// the time the upstream side owes an answer, not the client's: it
+	// runs from the request's start (connecting to the agent included),
+	// stands still while the request body waits for the client's bytes,
+	// and starts over whenever the upstream took a piece of the body, so
+	// a long upload is not cut while it moves, and a hung upstream that
+	// stops reading it is. It ends with the response head (any final
+	// status, or the 101 of an upgrade): a stream whose head came is
+	// never cut by it, and stream_max_request_time and
+	// stream_idle_timeout bound it from then on. Exchanges that are
+	// streams from the start (stream_path_prefixes: long polls that may
+	// hold their head back) are exempt; their bound is
+	// stream_max_request_time. An Accept match is provisional, so an
+	// event stream asked for by Accept has this long to send its head.
+	ResponseHeaderTimeout *caddy.Duration `json:"response_header_timeout,omitempty"`
+
 	// StreamIdleTimeout closes a stream (by path prefix, or confirmed by
 	// its response Content-Type) whose upstream sent no byte for this
 	// long. 0: none.
@@ -57,6 +79,19 @@ type StreamPolicy struct {
 }
 
 var defaultStreamTypes = []string{"text/event-stream"}
+
+// DefaultResponseHeaderTimeout is the response_header_timeout of a
+// handler that does not set one: as long as nginx's proxy_read_timeout, far
+// above any answer an interactive client still waits for.
+const DefaultResponseHeaderTimeout = 60 * time.Second
+
+// responseHeaderTimeout is the effective response_header_timeout; 0: off.
+func (p *StreamPolicy) responseHeaderTimeout() time.Duration {
+	if p.ResponseHeaderTimeout == nil {
+		return DefaultResponseHeaderTimeout
+	}
+	return time.Duration(*p.ResponseHeaderTimeout)
+}
 
 func (p *StreamPolicy) responseTypes() []string {
 	if p.StreamResponseContentTypes == nil {
@@ -75,7 +110,7 @@ func (p *StreamPolicy) acceptTypes() []string {
 func (p *StreamPolicy) validate() error {
 	for name, d := range map[string]caddy.Duration{
 		"max_request_time": p.MaxRequestTime, "stream_max_request_time": p.StreamMaxRequestTime,
-		"stream_idle_timeout": p.StreamIdleTimeout,
+		"stream_idle_timeout": p.StreamIdleTimeout, "response_header_timeout": caddy.Duration(p.responseHeaderTimeout()),
 	} {
 		if d < 0 {
 			return fmt.Errorf("sluice: %s must not be negative", name)
@@ -147,6 +182,7 @@ const (
 
 var (
 	errExchangeTimeout = errors.New("sluice: exchange deadline passed")
+	errHeaderTimeout   = errors.New("sluice: no response head within response_header_timeout")
 	errIdleTimeout     = errors.New("sluice: stream idle timeout")
 	errShutdown        = errors.New("sluice: node shutting down")
 	errAborted         = errors.New("sluice: response aborted")
@@ -166,6 +202,15 @@ type exchange struct {
 	idle      *time.Timer
 	shutdown  *time.Timer
 	committed bool
+
+	// The response_header_timeout (headWait; 0: none): headTimer runs
+	// while the exchange waits on the upstream side for its head, and is
+	// paused while bodyReads > 0 (the request body waits for the client).
+	headWait  time.Duration
+	headTimer *time.Timer
+	headDue   time.Time // when the armed head timer is due
+	bodyReads int
+	headDone  atomic.Bool // the response head came: no more head timing
 
 	bytesOut atomic.Int64
 	bytesIn  atomic.Int64
@@ -207,11 +252,72 @@ func (x *exchange) armLocked(d time.Duration) {
 	x.deadline = time.AfterFunc(max(remaining, 0), func() { x.cancel(errExchangeTimeout) })
 }
 
+// armHeadLocked (re)starts the response_header_timeout from now, unless
+// it is off, the head came, or a body read is waiting for the client.
+func (x *exchange) armHeadLocked() {
+	if x.headWait <= 0 || x.headDone.Load() || x.bodyReads > 0 {
+		return
+	}
+	x.headDue = time.Now().Add(x.headWait)
+	if x.headTimer == nil {
+		x.headTimer = time.AfterFunc(x.headWait, x.headExpired)
+		return
+	}
+	x.headTimer.Reset(x.headWait)
+}
+
+// headExpired ends the exchange with errHeaderTimeout, unless the head
+// came, a body read began or the timer was re-armed while it fired (Stop
+// and Reset cannot recall a callback already on its way; a re-armed timer
+// fires again when due).
+func (x *exchange) headExpired() {
+	x.mu.Lock()
+	late := x.headDone.Load() || x.bodyReads > 0 || time.Now().Before(x.headDue)
+	x.mu.Unlock()
+	if !late {
+		x.cancel(fmt.Errorf("%w (%s)", errHeaderTimeout, x.headWait))
+	}
+}
+
+// bodyReadStart pauses the response_header_timeout while reverse_proxy
+// waits for the client's request body bytes: a slow client is not the
+// upstream's fault (Caddy's server read timeouts bound it).
+func (x *exchange) bodyReadStart() {
+	if x.headWait <= 0 || x.headDone.Load() {
+		return
+	}
+	x.mu.Lock()
+	x.bodyReads++
+	if x.headTimer != nil {
+		x.headTimer.Stop()
+	}
+	x.mu.Unlock()
+}
+
+// bodyReadEnd restarts the response_header_timeout in full: the upstream
+// took the body bytes before this read (reverse_proxy reads the next piece
+// once the last one is written to the tunnel), so it is alive.
+func (x *exchange) bodyReadEnd() {
+	if x.headWait <= 0 || x.headDone.Load() {
+		return
+	}
+	x.mu.Lock()
+	if x.bodyReads > 0 {
+		x.bodyReads--
+	}
+	x.armHeadLocked()
+	x.mu.Unlock()
+}
+
 // onResponse classifies the response when its headers are written.
 func (x *exchange) onResponse(code int, h http.Header) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	x.committed = true
+	x.headDone.Store(true)
+	if x.headTimer != nil {
+		x.headTimer.Stop()
+	}
 	if code == http.StatusSwitchingProtocols || (x.connect && code/100 == 2) {
 		// The bytes of an upgraded connection bypass this writer
 		// (reverse_proxy hijacks the client connection), so there is
@@ -266,6 +372,10 @@ func (x *exchange) stop() {
 	if x.shutdown != nil {
 		x.shutdown.Stop()
 	}
+	x.headDone.Store(true) // a late body read must not arm the head timer again
+	if x.headTimer != nil {
+		x.headTimer.Stop()
+	}
 }
 
 func (x *exchange) isStream() bool {
@@ -283,6 +393,8 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	x := &exchange{policy: p, start: time.Now(), cancel: cancel, connect: r.Method == http.MethodConnect}
 	switch {
 	case pathPrefixMatches(r.URL.Path, p.StreamPathPrefixes):
+		// A stream from the start may hold its head back (a long
+		// poll): no response_header_timeout.
 		x.expected = classPathPrefix
 		x.armLocked(time.Duration(p.StreamMaxRequestTime))
 	default:
@@ -290,6 +402,8 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 			x.expected = classAccept
 		}
 		x.armLocked(time.Duration(p.MaxRequestTime))
+		x.headWait = p.responseHeaderTimeout()
+		x.armHeadLocked() // x is not shared yet
 	}
 	defer x.stop()
 
@@ -304,7 +418,7 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	defer stopWatch()
 
 	if r.Body != nil && r.Body != http.NoBody {
-		r.Body = &countingBody{ReadCloser: r.Body, n: &x.bytesIn}
+		r.Body = &countingBody{ReadCloser: r.Body, x: x}
 	}
 	pw := &policyWriter{ResponseWriter: w, x: x, ctx: ctx, clientCtx: clientCtx}
 	// reverse_proxy ends a response it cannot finish once the headers are
@@ -335,7 +449,7 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 	}
 	switch {
 	case committed:
-	case errors.Is(cause, errExchangeTimeout):
+	case errors.Is(cause, errExchangeTimeout), errors.Is(cause, errHeaderTimeout):
 		err = caddyhttp.Error(http.StatusGatewayTimeout, cause)
 	case errors.Is(cause, errShutdown) || errors.Is(err, errNodeShutDown):
 		// Cut before its answer by the end of the drain grace (this
@@ -403,15 +517,18 @@ func (h *Handler) logStream(r *http.Request, x *exchange, out string) {
 		zap.Duration("stream_idle_timeout", time.Duration(x.policy.StreamIdleTimeout)))
 }
 
-// countingBody counts request body bytes.
+// countingBody counts request body bytes, and tells the exchange when a
+// read waits for the client (see StreamPolicy.ResponseHeaderTimeout).
 type countingBody struct {
 	io.ReadCloser
-	n *atomic.Int64
+	x *exchange
 }
 
 func (b *countingBody) Read(p []byte) (int, error) {
+	b.x.bodyReadStart()
 	n, err := b.ReadCloser.Read(p)
-	b.n.Add(int64(n))
+	b.x.bodyReadEnd()
+	b.x.bytesIn.Add(int64(n))
 	return n, err
 }
 

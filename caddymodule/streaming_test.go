@@ -1,6 +1,15 @@
 package caddymodule
 
-import "testing"
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
 
 func TestMediaTypeMatches(t *testing.T) {
 	sse := []string{"text/event-stream"}
@@ -58,4 +67,85 @@ func TestStreamPolicyDefaultsAndValidation(t *testing.T) {
 	if p.validate() == nil {
 		t.Fatal("negative durations must be rejected")
 	}
+}
+
+// TestResponseHeaderTimeoutDefault: unset is DefaultResponseHeaderTimeout
+// (60 s), 0 is off, a negative value is refused naming the field.
+func TestResponseHeaderTimeoutDefault(t *testing.T) {
+	var p StreamPolicy
+	if got := p.responseHeaderTimeout(); got != 60*time.Second {
+		t.Fatalf("default %v, want 60s", got)
+	}
+	p.ResponseHeaderTimeout = new(caddy.Duration(0))
+	if got := p.responseHeaderTimeout(); got != 0 {
+		t.Fatalf("0 must turn it off, got %v", got)
+	}
+	p.ResponseHeaderTimeout = new(caddy.Duration(-time.Second))
+	if err := p.validate(); err == nil || !strings.Contains(err.Error(), "response_header_timeout") {
+		t.Fatalf("negative: %v, want an error naming response_header_timeout", err)
+	}
+}
+
+// newHeadExchange is an exchange timing its response head with wait.
+func newHeadExchange(wait time.Duration) (*exchange, context.Context) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	x := &exchange{policy: &StreamPolicy{}, start: time.Now(), cancel: cancel, headWait: wait}
+	x.armHeadLocked()
+	return x, ctx
+}
+
+// TestHeadTimer: the response_header_timeout cancels the exchange with
+// errHeaderTimeout when no head comes, is paused while a body read waits
+// for the client, and stops for good with the head.
+func TestHeadTimer(t *testing.T) {
+	const wait = 50 * time.Millisecond
+	t.Run("fires without a head", func(t *testing.T) {
+		x, ctx := newHeadExchange(wait)
+		defer x.stop()
+		select {
+		case <-ctx.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the head timer never fired")
+		}
+		if !errors.Is(context.Cause(ctx), errHeaderTimeout) {
+			t.Fatalf("cause %v, want errHeaderTimeout", context.Cause(ctx))
+		}
+	})
+	t.Run("paused while the body waits for the client", func(t *testing.T) {
+		x, ctx := newHeadExchange(wait)
+		defer x.stop()
+		x.bodyReadStart()
+		select {
+		case <-ctx.Done():
+			t.Fatalf("fired during a body read: %v", context.Cause(ctx))
+		case <-time.After(8 * wait):
+		}
+		x.bodyReadEnd() // starts over in full
+		select {
+		case <-ctx.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the head timer never fired after the body read")
+		}
+	})
+	t.Run("stopped by the head", func(t *testing.T) {
+		x, ctx := newHeadExchange(wait)
+		defer x.stop()
+		x.onResponse(200, http.Header{})
+		x.bodyReadStart() // a late body read must not arm it again
+		x.bodyReadEnd()
+		select {
+		case <-ctx.Done():
+			t.Fatalf("fired after the head: %v", context.Cause(ctx))
+		case <-time.After(8 * wait):
+		}
+	})
+	t.Run("off", func(t *testing.T) {
+		x, ctx := newHeadExchange(0)
+		defer x.stop()
+		x.bodyReadStart()
+		x.bodyReadEnd()
+		if x.headTimer != nil || ctx.Err() != nil {
+			t.Fatal("a 0 response_header_timeout must arm nothing")
+		}
+	})
 }

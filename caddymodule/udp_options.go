@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strings"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -14,8 +13,10 @@ import (
 // (proto/README §6.1). They are embedded in App, so their JSON keys sit
 // beside the others.
 type UDPOptions struct {
-	// UDPPortRange is the range of UDP ports ("16000-16999") agents may
-	// claim with udp:// listen-port routes, as TCPPortRange is for
+	// UDPPortRange is the list of UDP ports agents may claim with udp://
+	// listen-port routes, in TCPPortRange's syntax ("16000-16099,17000":
+	// ports and ranges, comma-separated, overlaps merged), as TCPPortRange
+	// is for
 	// tcp:// ones: the app binds each claimed port while its agent is
 	// connected, and carries each client address's datagrams in a flow of
 	// its own. The ranges are separate (UDP and TCP ports are separate
@@ -69,23 +70,13 @@ func (u *UDPOptions) provision() (udpNodeOptions, error) {
 		o.maxFlowsPerAddr = DefaultMaxUDPFlowsPerAddress
 	}
 	var err error
-	if o.portRange, err = parseUDPPortRange(u.UDPPortRange); err != nil {
+	if o.portRange, err = parsePortList("udp_port_range", u.UDPPortRange); err != nil {
 		return udpNodeOptions{}, fmt.Errorf("sluice: %w", err)
 	}
 	if err := checkUDPBind(u.UDPBind, u.UDPPortRange); err != nil {
 		return udpNodeOptions{}, err
 	}
 	return o, nil
-}
-
-// parseUDPPortRange is parsePortRange with udp_port_range's name in its
-// error.
-func parseUDPPortRange(s string) (portRange, error) {
-	r, err := parsePortRange(s)
-	if err != nil {
-		return r, fmt.Errorf("udp_port_range: %s", strings.TrimPrefix(err.Error(), "tcp_port_range: "))
-	}
-	return r, nil
 }
 
 // checkUDPBind refuses a udp_bind the claimed ports could not bind on, at
@@ -108,18 +99,14 @@ func checkUDPBind(bind, portRange string) error {
 // unmarshalUDPOption reads one of UDPOptions' Caddyfile options (the
 // option name is d.Val()); ok is false for another option.
 //
-//	udp_port_range            <lo>-<hi>
+//	udp_port_range            <ports>...     # as tcp_port_range: 16000-16099,17000
 //	udp_bind                  <host>
 //	max_udp_flows             <n>
 //	max_udp_flows_per_address <n>
 func (u *UDPOptions) unmarshalUDPOption(d *caddyfile.Dispenser) (ok bool, err error) {
 	switch d.Val() {
 	case "udp_port_range":
-		if err = singleArg(d, &u.UDPPortRange); err == nil {
-			if _, perr := parseUDPPortRange(u.UDPPortRange); perr != nil {
-				err = d.Errf("sluice: %v", perr)
-			}
-		}
+		err = portListArg(d, &u.UDPPortRange)
 	case "udp_bind":
 		err = singleArg(d, &u.UDPBind)
 	case "max_udp_flows":

@@ -21,7 +21,7 @@ func TestUDPOptionsProvision(t *testing.T) {
 		t.Fatalf("defaults: %+v, %v", o, err)
 	}
 	o, err = (&UDPOptions{UDPPortRange: "15300-15399", UDPBind: "127.0.0.1", MaxUDPFlows: 10, MaxUDPFlowsPerAddress: 2}).provision()
-	if err != nil || o.portRange != (portRange{15300, 15399}) || o.bind != "127.0.0.1" || o.maxFlows != 10 || o.maxFlowsPerAddr != 2 {
+	if err != nil || o.portRange != (portRange{lo: 15300, hi: 15399, spans: "15300-15399"}) || o.bind != "127.0.0.1" || o.maxFlows != 10 || o.maxFlowsPerAddr != 2 {
 		t.Fatalf("set: %+v, %v", o, err)
 	}
 	for _, tc := range []struct {
@@ -84,7 +84,7 @@ func udpPortTestNode(t *testing.T, maxFlows, perAddr int) (*node, uint32) {
 	}
 	port := uint32(probe.LocalAddr().(*net.UDPAddr).Port)
 	probe.Close()
-	n.opts.Store(&nodeOptions{udp: udpNodeOptions{portRange: portRange{port, port}, bind: "127.0.0.1", maxFlows: maxFlows, maxFlowsPerAddr: perAddr}})
+	n.opts.Store(&nodeOptions{udp: udpNodeOptions{portRange: portRange{lo: port, hi: port}, bind: "127.0.0.1", maxFlows: maxFlows, maxFlowsPerAddr: perAddr}})
 	sess, accepted := testSessionPair(t)
 	go func() {
 		for f := range accepted {
