@@ -28,6 +28,7 @@ import (
 	"github.com/sluice-tunnel/sluice/internal/ident"
 	"github.com/sluice-tunnel/sluice/internal/route"
 	tunnelpb "github.com/sluice-tunnel/sluice/proto"
+	"github.com/sluice-tunnel/sluice/tunnelcore"
 )
 
 // Config is the agent's configuration (YAML file, flags, SLUICE_* environment).
@@ -127,6 +128,32 @@ type Config struct {
 	// Flag -server-refresh, environment SLUICE_SERVER_REFRESH. YAML takes
 	// Go durations ("30s").
 	ServerRefresh time.Duration `yaml:"server_refresh"`
+	// KeepaliveTime is the interval of the gRPC keepalive pings the agent
+	// sends on its connection to each node, which tell a dead node (or a
+	// middlebox that dropped the connection) from an idle one. 0 means
+	// DefaultKeepaliveTime (30s); at least MinKeepaliveTime (10s): a node
+	// answers pings more frequent than its enforcement policy permits
+	// (sluice's nodes permit one per 10s) with GOAWAY too_many_pings, which
+	// ends the session, and gRPC's client never pings more often anyway.
+	// A data lane is watched by TCP keepalive besides. Flag
+	// -keepalive-time, environment SLUICE_KEEPALIVE_TIME. YAML takes Go
+	// durations ("30s").
+	KeepaliveTime time.Duration `yaml:"keepalive_time"`
+	// KeepaliveTimeout is how long the answer to a keepalive ping may
+	// take before the connection to the node is torn down (the agent then
+	// reconnects). 0 means DefaultKeepaliveTimeout (10s); at least
+	// MinKeepaliveTimeout (1s). Flag -keepalive-timeout, environment
+	// SLUICE_KEEPALIVE_TIMEOUT.
+	KeepaliveTimeout time.Duration `yaml:"keepalive_timeout"`
+	// TunnelStallTimeout is how long a session may hold frames queued for
+	// the node, with the node taking none of them (it stopped reading the
+	// stream while still answering keepalives), before the agent cancels
+	// the session and reconnects; a link that still moves 16 KiB per
+	// timeout is not cut (tunnelcore.Config.StallTimeout). 0 means
+	// DefaultTunnelStallTimeout (60s); negative turns the watchdog off (as
+	// the node's tunnel_stall_timeout). Flag -tunnel-stall-timeout,
+	// environment SLUICE_TUNNEL_STALL_TIMEOUT.
+	TunnelStallTimeout time.Duration `yaml:"tunnel_stall_timeout"`
 
 	serverTLS  bool   // parsed Server: grpcs
 	serverAddr string // parsed Server: host:port
@@ -155,8 +182,11 @@ type Upstream struct {
 	// case unless it starts with (?i).
 	HostPattern string `yaml:"host_pattern"`
 	// Target is http://host:port, https://host:port, tcp://host:port or
-	// udp://host:port. Validate rewrites it as scheme://host:port with a
-	// lower-case scheme, the form the node is sent. A udp:// upstream gets
+	// udp://host:port; host:port alone (127.0.0.1:8080, localhost:3000)
+	// means http://host:port. Validate rewrites it as scheme://host:port
+	// with a lower-case scheme, the form the node is sent. A route served
+	// in-process (Listen) dials nothing: its target is empty (HTTP), or
+	// http:// or tcp:// to say what the node sends it. A udp:// upstream gets
 	// each client address's datagrams in a flow of its own, which the
 	// agent relays over a UDP socket of its own to the target (so replies
 	// go back to that client alone).
@@ -213,6 +243,12 @@ type Upstream struct {
 	// file ("SLUICE_UPSTREAMS[1]", "-upstream[0]"), for Validate's
 	// errors: the merged list's index is in no source the user wrote.
 	origin string
+	// schemeless records a Target written without a scheme (read as
+	// http://), for the errors of the options that want another one.
+	schemeless bool
+	// local, when set, serves the route in-process: the connector hands
+	// its connections to this Listener (Listen) instead of dialing Target.
+	local *Listener
 }
 
 // field is the upstream's name in Validate's errors: its source, else its
@@ -489,6 +525,9 @@ const (
 	EnvAdminListen    = "SLUICE_ADMIN_LISTEN"
 	EnvServerEach     = "SLUICE_SERVER_EACH_ADDRESS"
 	EnvServerRefresh  = "SLUICE_SERVER_REFRESH"
+	EnvKeepaliveTime  = "SLUICE_KEEPALIVE_TIME"
+	EnvKeepaliveTO    = "SLUICE_KEEPALIVE_TIMEOUT"
+	EnvStallTimeout   = "SLUICE_TUNNEL_STALL_TIMEOUT"
 )
 
 // ApplyEnv overrides c with the SLUICE_* variables that getenv reports
@@ -555,6 +594,9 @@ func (c *Config) ApplyEnv(getenv func(string) string) error {
 	}
 	envDuration(EnvShutdownGrace, &c.ShutdownGrace)
 	envDuration(EnvServerRefresh, &c.ServerRefresh)
+	envDuration(EnvKeepaliveTime, &c.KeepaliveTime)
+	envDuration(EnvKeepaliveTO, &c.KeepaliveTimeout)
+	envDuration(EnvStallTimeout, &c.TunnelStallTimeout)
 	if b := envBool(EnvDisableLane); b != nil {
 		c.DisableDataLane = *b
 	}
@@ -673,6 +715,21 @@ const (
 	DefaultServerRefresh = 30 * time.Second
 	MinServerRefresh     = time.Second
 )
+
+// The gRPC keepalive of the connection to each node (Config.KeepaliveTime,
+// Config.KeepaliveTimeout). MinKeepaliveTime is the enforcement policy of
+// sluice's nodes (keepalive.EnforcementPolicy.MinTime in caddymodule):
+// pings more frequent than that are answered with GOAWAY too_many_pings.
+const (
+	DefaultKeepaliveTime    = 30 * time.Second
+	MinKeepaliveTime        = 10 * time.Second
+	DefaultKeepaliveTimeout = 10 * time.Second
+	MinKeepaliveTimeout     = time.Second
+)
+
+// DefaultTunnelStallTimeout is the default Config.TunnelStallTimeout, the
+// node's default as well.
+const DefaultTunnelStallTimeout = tunnelcore.DefaultStallTimeout
 
 var logLevels = map[string]bool{"debug": true, "info": true, "warn": true, "error": true}
 
@@ -829,6 +886,27 @@ func (c *Config) validateLimits(p *problems) {
 	case c.ServerRefresh < MinServerRefresh:
 		p.add("server_refresh", "at least %v, got %v", MinServerRefresh, c.ServerRefresh)
 	}
+	c.validateKeepalive(p)
+}
+
+// validateKeepalive checks the keepalive and stall settings, filling their
+// defaults.
+func (c *Config) validateKeepalive(p *problems) {
+	switch {
+	case c.KeepaliveTime == 0:
+		c.KeepaliveTime = DefaultKeepaliveTime
+	case c.KeepaliveTime < MinKeepaliveTime:
+		p.add("keepalive_time", "at least %v (a node answers more frequent pings with GOAWAY too_many_pings), got %v", MinKeepaliveTime, c.KeepaliveTime)
+	}
+	switch {
+	case c.KeepaliveTimeout == 0:
+		c.KeepaliveTimeout = DefaultKeepaliveTimeout
+	case c.KeepaliveTimeout < MinKeepaliveTimeout:
+		p.add("keepalive_timeout", "at least %v, got %v", MinKeepaliveTimeout, c.KeepaliveTimeout)
+	}
+	if c.TunnelStallTimeout == 0 {
+		c.TunnelStallTimeout = DefaultTunnelStallTimeout
+	}
 }
 
 // validateAdminListen checks AdminListen is a host:port to bind, so that
@@ -937,6 +1015,7 @@ func (u *Upstream) routeKey() (key, what string) {
 func (u *Upstream) validate(field string) []error {
 	p := problems{prefix: field + "."}
 	u.scheme, u.hostport, u.pattern, u.patternInsts, u.prefixes, u.kind = "", "", nil, 0, nil, route.Invalid
+	u.schemeless = false
 	catchAll := strings.TrimSpace(u.Host) == "*" // before Host is normalised to ""
 	u.validateTarget(&p)
 	u.validateHost(&p)
@@ -962,6 +1041,16 @@ func (u *Upstream) validate(field string) []error {
 // sent: the node reads the target (tcp:// marks a verbatim route).
 func (u *Upstream) validateTarget(p *problems) {
 	u.Target = strings.TrimSpace(u.Target)
+	if u.local != nil {
+		u.validateLocalTarget(p)
+		return
+	}
+	if u.Target != "" && !strings.Contains(u.Target, "//") {
+		// host:port alone is the common case of an HTTP upstream, as in
+		// the reference and other tunnels; tcp:// and udp:// stay
+		// explicit, since they change how the node routes.
+		u.Target, u.schemeless = "http://"+u.Target, true
+	}
 	if u.Target == "" {
 		p.add("target", "required")
 	} else if scheme, hostport, err := parseURL(u.Target, "http, https, tcp or udp", "http", "https", "tcp", "udp"); err != nil {
@@ -970,6 +1059,32 @@ func (u *Upstream) validateTarget(p *problems) {
 		u.scheme, u.hostport = scheme, hostport
 		u.Target = scheme + "://" + hostport
 	}
+}
+
+// localTarget is the host:port of the Target a route served in-process
+// is advertised with: the node reads only the scheme, and logs and the
+// status show that nothing is dialed.
+const localTarget = "in-process"
+
+// validateLocalTarget checks the Target of a route served in-process
+// (Listen): empty (HTTP), or the scheme alone says what the node sends it;
+// a host:port after it is ignored, as nothing is dialed.
+func (u *Upstream) validateLocalTarget(p *problems) {
+	scheme := "http"
+	if u.Target != "" {
+		s, _, ok := strings.Cut(u.Target, "://")
+		if !ok {
+			p.add("target", "%q: a route served in-process takes http:// (the default) or tcp://", u.Target)
+			return
+		}
+		scheme = strings.ToLower(s)
+	}
+	if scheme != "http" && scheme != "tcp" {
+		p.add("target", "scheme %q not supported for a route served in-process (want http, the default, or tcp)", scheme)
+		return
+	}
+	u.scheme, u.hostport = scheme, localTarget
+	u.Target = scheme + "://" + localTarget
 }
 
 // validateHost normalises Host as the node matches hosts: lower case,
@@ -1070,11 +1185,15 @@ func (u *Upstream) checkVerbatimTarget(p *problems) {
 	if u.scheme == "" || u.scheme == "tcp" || u.scheme == "udp" {
 		return // a udp:// route's fields are route.Classify's to check
 	}
+	why := "requires a tcp:// target"
+	if u.schemeless {
+		why += " (a target without a scheme means http://)"
+	}
 	if u.TLSPassthrough {
-		p.add("tls_passthrough", "requires a tcp:// target")
+		p.add("tls_passthrough", "%s", why)
 	}
 	if u.ListenPort != 0 {
-		p.add("listen_port", "requires a tcp:// target")
+		p.add("listen_port", "%s", why)
 	}
 }
 
@@ -1094,7 +1213,12 @@ func (u *Upstream) validateProxyProtocol(p *problems) {
 	switch u.ProxyProtocol {
 	case "":
 	case "v1", "v2":
-		if u.scheme != "" && u.scheme != "tcp" {
+		switch {
+		case u.local != nil:
+			// The header is written to a dialed upstream; a program
+			// serving in-process reads the client from RemoteAddr.
+			p.add("proxy_protocol", "not valid on a route served in-process (the accepted connection's RemoteAddr is the client)")
+		case u.scheme != "" && u.scheme != "tcp":
 			p.add("proxy_protocol", "only valid with a tcp:// target")
 		}
 	default:

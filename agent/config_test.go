@@ -241,7 +241,8 @@ func TestValidateErrors(t *testing.T) {
 		{"server path", func(c *Config) { c.Server = "grpc://a:1/x" }, `server: "grpc://a:1/x": path "/x" not allowed`},
 		{"server no scheme", func(c *Config) { c.Server = "a:1" }, `server: "a:1" has no scheme (want grpc or grpcs, as in grpc://host:port)`},
 		{"server IP without scheme", func(c *Config) { c.Server = "127.0.0.1:8001" }, `server: "127.0.0.1:8001" has no scheme`},
-		{"target without scheme", func(c *Config) { up(c).Target = "127.0.0.1:3000" }, `target: "127.0.0.1:3000" has no scheme (want http, https, tcp or udp, as in http://host:port)`},
+		{"target without scheme on a listen port", func(c *Config) { up(c).Target = "127.0.0.1:6379"; up(c).Host = ""; up(c).ListenPort = 16379 },
+			"listen_port: requires a tcp:// target (a target without a scheme means http://)"},
 		{"insecure with grpc", func(c *Config) { c.Server = "grpc://a:1"; c.Insecure = true }, "insecure: only valid with a grpcs:// server"},
 		{"ca_file with grpc", func(c *Config) { c.Server = "grpc://a:1"; c.CAFile = ca }, "ca_file: only valid with a grpcs:// server"},
 		{"ca_file and insecure", func(c *Config) { c.CAFile = ca; c.Insecure = true }, "ca_file: insecure and ca_file are mutually exclusive"},
@@ -289,7 +290,7 @@ func TestValidateErrors(t *testing.T) {
 			c.Upstreams = append(c.Upstreams, Upstream{Name: "u1", ListenPort: 5353, Target: "udp://b:53"}, Upstream{Name: "u2", ListenPort: 5353, Target: "udp://b:54"})
 		}, `upstreams[4]: udp listen_port 5353 already served by upstreams[3]`},
 		{"target scheme checked first", func(c *Config) { up(c).Target = "ftp://a" }, `upstreams[0].target: scheme "ftp" not supported`},
-		{"target without scheme", func(c *Config) { up(c).Target = "127.0.0.1:3000" }, "upstreams[0].target: "},
+		{"target empty scheme", func(c *Config) { up(c).Target = "//127.0.0.1:3000" }, "upstreams[0].target: \"//127.0.0.1:3000\" has no scheme"},
 		{"target port", func(c *Config) { up(c).Target = "http://127.0.0.1" }, "upstreams[0].target: \"http://127.0.0.1\": port required"},
 		{"target bad port", func(c *Config) { up(c).Target = "http://127.0.0.1:70000" }, "upstreams[0].target: "},
 		{"target path", func(c *Config) { up(c).Target = "http://a:80/api" }, `upstreams[0].target: "http://a:80/api": path "/api" not allowed`},

@@ -50,6 +50,10 @@ type upstream struct {
 	hostport string
 	tls      *tls.Config // https targets
 	dialLog  *logthrottle.Throttle
+	// local, for a route served in-process (Listen), takes the route's
+	// connections instead of a dial: the seam that keeps the dial path
+	// below unaware of it.
+	local *Listener
 }
 
 // newConnector prepares cfg's upstreams; maxConns bounds the connections
@@ -64,7 +68,7 @@ func newConnector(cfg *Config, maxConns int64, log *zap.Logger) *connector {
 	}
 	for _, u := range cfg.Upstreams {
 		scheme, hostport := u.TargetURL()
-		up := &upstream{cfg: u, scheme: scheme, hostport: hostport, dialLog: logthrottle.New(dialLogEvery, 1)}
+		up := &upstream{cfg: u, scheme: scheme, hostport: hostport, dialLog: logthrottle.New(dialLogEvery, 1), local: u.local}
 		if scheme == "https" {
 			up.tls = &tls.Config{
 				ServerName:         upstreamServerName(u.RewriteHost, hostport),
@@ -120,6 +124,10 @@ func (c *connector) serve(ctx context.Context, conn *tunnelcore.Conn) {
 				zap.Int64("max_connections", c.maxConns), zap.Int("suppressed_since_last", suppressed))
 		}
 		c.refuse(conn, &rep, ConnLimit, tunnelpb.Error_RESOURCE_EXHAUSTED, "agent connection limit reached")
+		return
+	}
+	if up.local != nil {
+		c.handOver(conn, up, &rep) // listen.go
 		return
 	}
 	go func() {

@@ -135,6 +135,15 @@ func (v *flagValues) apply(c *Config, set map[string]bool) {
 	if set["server-refresh"] {
 		c.ServerRefresh = v.serverRefresh
 	}
+	if set["keepalive-time"] {
+		c.KeepaliveTime = v.keepaliveTime
+	}
+	if set["keepalive-timeout"] {
+		c.KeepaliveTimeout = v.keepaliveTimeout
+	}
+	if set["tunnel-stall-timeout"] {
+		c.TunnelStallTimeout = v.stallTimeout
+	}
 	if set["token"] || set["token-file"] {
 		c.setToken(v.token, v.tokenFile)
 	}
@@ -148,6 +157,7 @@ type flagValues struct {
 	maxConns                                               int
 	tunnelBudget                                           int64
 	shutdownGrace, serverRefresh                           time.Duration
+	keepaliveTime, keepaliveTimeout, stallTimeout          time.Duration
 	upstreams                                              stringList
 }
 
@@ -174,6 +184,9 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.StringVar(&v.adminListen, "admin-listen", "", "serve /metrics, /healthz, /readyz and /status on `host:port`, e.g. 127.0.0.1:9001; no authentication: keep it on loopback; default off ($"+EnvAdminListen+")")
 	fs.BoolVar(&v.serverEach, "server-each-address", false, "resolve the host of -server and keep a session with every address (one per cluster node), resolving it again every -server-refresh ($"+EnvServerEach+")")
 	fs.DurationVar(&v.serverRefresh, "server-refresh", 0, "with -server-each-address, how often to resolve the host again; at least 1s; 0 = "+DefaultServerRefresh.String()+" ($"+EnvServerRefresh+")")
+	fs.DurationVar(&v.keepaliveTime, "keepalive-time", 0, "interval of the gRPC keepalive pings to each node; at least "+MinKeepaliveTime.String()+" (the node's ping policy); 0 = "+DefaultKeepaliveTime.String()+" ($"+EnvKeepaliveTime+")")
+	fs.DurationVar(&v.keepaliveTimeout, "keepalive-timeout", 0, "how long a keepalive ping's answer may take before the connection is torn down and the agent reconnects; 0 = "+DefaultKeepaliveTimeout.String()+" ($"+EnvKeepaliveTO+")")
+	fs.DurationVar(&v.stallTimeout, "tunnel-stall-timeout", 0, "how long frames may wait for a node that takes none before the agent reconnects; 0 = "+DefaultTunnelStallTimeout.String()+", negative = off ($"+EnvStallTimeout+")")
 	fs.Var(&v.upstreams, "upstream", "upstream `spec`, repeatable ($"+EnvUpstreams+", separated by ';')")
 	// Listed here so that -h shows it among the flags; ParseFlags answers
 	// it with ErrVersion.
@@ -209,11 +222,13 @@ Environment:
   %s  %s  %s  %s  %s
   %s  %s  %s  %s
   %s  %s  %s  %s
-  %s  %s
+  %s  %s  %s  %s
+  %s
 
 Upstream spec (-upstream, %s):
   comma-separated key=value pairs; boolean keys may appear bare:
     host=app.example.com,target=http://127.0.0.1:3000
+    host=app.example.com,target=127.0.0.1:3000   (no scheme: http://)
     host_pattern=.*\.example\.com,target=https://10.0.0.5:8443,insecure_skip_verify
     host=db.example.com,target=tcp://127.0.0.1:5432,tls_passthrough
     listen_port=16379,target=tcp://127.0.0.1:6379,proxy_protocol=v2
@@ -221,7 +236,7 @@ Upstream spec (-upstream, %s):
         tls_passthrough listen_port proxy_protocol force_http1
         allowed_cidrs (repeatable) verbatim_idle_timeout (e.g. 30s)
         udp_idle_timeout (udp:// targets, default 60s)
-  short form: HOST=TARGET[,key=value...], e.g. app.example.com=http://127.0.0.1:3000
+  short form: HOST=TARGET[,key=value...], e.g. app.example.com=127.0.0.1:3000
   catch-all:  *=TARGET
   named TCP service: name=redis,target=tcp://127.0.0.1:6379, reached only
     by the node's layer4 route "sluice redis", never by HTTP
@@ -234,7 +249,8 @@ Upstream spec (-upstream, %s):
 		EnvID, EnvInsecure, EnvCAFile, EnvCertFile, EnvKeyFile,
 		EnvLogLevel, EnvMaxConnections, EnvTunnelBudget, EnvShutdownGrace,
 		EnvUpstreams, EnvDisableLane, EnvDisableDirect, EnvAdminListen,
-		EnvServerEach, EnvServerRefresh, EnvUpstreams)
+		EnvServerEach, EnvServerRefresh, EnvKeepaliveTime, EnvKeepaliveTO,
+		EnvStallTimeout, EnvUpstreams)
 }
 
 type stringList []string
@@ -269,9 +285,9 @@ func isWord(s string) bool {
 // looksLikeShortForm reports whether the first pair of a spec, whose key is
 // not a key name, is the short form HOST=TARGET: its target has a scheme, or
 // its host looks like one (a dot, a colon or "*"). A mistyped key
-// ("hst=app.example.com") is then reported as such, while the common slip
-// "app.example.com=127.0.0.1:3000" reaches the target's check, which asks
-// for the scheme.
+// ("hst=app.example.com") is then reported as such, while
+// "app.example.com=127.0.0.1:3000" is a host and a target without a scheme
+// (http://).
 func looksLikeShortForm(key, val string) bool {
 	return strings.Contains(val, "://") || strings.ContainsAny(key, ".:*")
 }
@@ -372,7 +388,7 @@ func (p *specParser) unknownKey(sp specPair) error {
 		p.prev = "target"
 		return nil
 	case sp.index == 0 && sp.hasVal:
-		return fmt.Errorf("unknown key %q (in the short form HOST=TARGET, the target has a scheme: http://, https:// or tcp://)", strings.TrimSpace(sp.rawKey))
+		return fmt.Errorf("unknown key %q (in the short form HOST=TARGET, the target has a scheme, as in http://, https:// or tcp://, or the host a dot or a colon, or is *)", strings.TrimSpace(sp.rawKey))
 	case sp.hasVal || isWord(sp.key):
 		return fmt.Errorf("unknown key %q", strings.TrimSpace(sp.rawKey))
 	case p.prev == "host_pattern":

@@ -215,6 +215,7 @@ func New(cfg *Config, logger *zap.Logger, opts ...Option) (*Agent, error) {
 	for _, o := range opts {
 		o(a)
 	}
+	logger = a.log // WithLogger
 	var err error
 	if a.nodeTLS, err = nodeTLSConfig(cfg); err != nil {
 		return nil, err
@@ -520,9 +521,11 @@ func (a *Agent) dialOptions(creds credentials.TransportCredentials) []grpc.DialO
 		grpc.WithWriteBufferSize(tunnelcore.GRPCBufferSize),
 		grpc.WithInitialWindowSize(tunnelcore.GRPCWindowSize),
 		grpc.WithInitialConnWindowSize(tunnelcore.GRPCWindowSize),
+		// keepalive_time is at least the nodes' enforcement MinTime
+		// (Validate), or they would GOAWAY the connection.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{
-			Time:                30 * time.Second,
-			Timeout:             10 * time.Second,
+			Time:                a.cfg.KeepaliveTime,
+			Timeout:             a.cfg.KeepaliveTimeout,
 			PermitWithoutStream: true,
 		}),
 		// The agent's own backoff paces reconnects; each session gets a

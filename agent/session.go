@@ -162,15 +162,7 @@ func (s *sessionAttempt) openStream() error {
 func (s *sessionAttempt) start() error {
 	s.tr = s.l.sessionFrames(s.ctx, s.creds, s.rs, s.cancel, s.hostport)
 	s.ctl = newLinkControl(s.l, s.t)
-	sess, err := tunnelcore.NewSession(s.tr.frames, tunnelcore.Config{
-		Role:       tunnelcore.RoleAgent,
-		OnControl:  s.ctl.dispatch,
-		Budget:     s.a.budget,
-		Progress:   s.tr.progress,
-		DirectDial: s.tr.directDial,
-		Counters:   &s.a.tunnel,
-		Logger:     s.l.log(),
-	})
+	sess, err := tunnelcore.NewSession(s.tr.frames, s.coreConfig())
 	if err != nil {
 		s.tr.frames.Close(err)
 		s.cancel()
@@ -184,6 +176,21 @@ func (s *sessionAttempt) start() error {
 	s.later(func() { s.l.current.Store(nil) })
 	s.later(func() { sess.Close() })
 	return nil
+}
+
+// coreConfig is the configuration of the attempt's tunnelcore session.
+func (s *sessionAttempt) coreConfig() tunnelcore.Config {
+	return tunnelcore.Config{
+		Role:       tunnelcore.RoleAgent,
+		OnControl:  s.ctl.dispatch,
+		Budget:     s.a.budget,
+		Progress:   s.tr.progress,
+		DirectDial: s.tr.directDial,
+		Counters:   &s.a.tunnel,
+		Logger:     s.l.log(),
+		// tunnel_stall_timeout: negative is off in both configurations.
+		StallTimeout: s.a.cfg.TunnelStallTimeout,
+	}
 }
 
 // awaitAck waits, at most ackTimeout, for the node's first AdvertiseAck.
