@@ -238,6 +238,9 @@ func (h *handshake) negotiate() error {
 		OnControl:    func(f *tunnelpb.Frame) { n.onControl(a, f) },
 		OnConnEnd:    func(e tunnelcore.ConnEnd) { n.connEnded(a, e) },
 		Counters:     &n.metrics.tunnel,
+		// The protocol gives agents no use for opening connections:
+		// refused in the receive loop, no backlog or goroutine for them.
+		RefuseOpens: "nodes accept no connections from agents",
 	})
 	if err != nil {
 		frames.Close(err)
@@ -323,7 +326,6 @@ func (h *handshake) serve() {
 	if !h.n.creds.Load().stillValid(h.auth) {
 		sess.CloseWithError(errCredentialChanged)
 	}
-	go refuseAgentOpened(h.streamCtx, sess)
 	select {
 	case <-sess.Done():
 	case <-h.streamCtx.Done():
@@ -591,17 +593,5 @@ func (n *node) admitSession(remote string, key agentKey, sc *scope, opts *nodeOp
 func (n *node) logStream(msg, remote string, err error) {
 	if ok, suppressed := n.streamLog.Allow(); ok {
 		n.log().Warn(msg, zap.String("remote", remote), zap.Error(err), zap.Int("suppressed_since_last", suppressed))
-	}
-}
-
-// refuseAgentOpened answers every connection an agent opens (the protocol
-// gives agents no use for them) so none waits in the backlog holding a slot.
-func refuseAgentOpened(ctx context.Context, sess *tunnelcore.Session) {
-	for {
-		c, err := sess.Accept(ctx)
-		if err != nil {
-			return
-		}
-		c.Abort(tunnelpb.Error_REFUSED, "nodes accept no connections from agents")
 	}
 }

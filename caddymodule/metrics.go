@@ -211,7 +211,7 @@ func (c *nodeCounters) route(name string) *routeCounters {
 
 // connEnded counts a virtual connection the node opened that ended: a
 // map lookup and three atomic adds. Connections agents open are refused
-// at once (refuseAgentOpened) and carry no route: they are not counted.
+// at once (tunnelcore.Config.RefuseOpens) and carry no route: they are not counted.
 func (c *nodeCounters) connEnded(e tunnelcore.ConnEnd) {
 	if !e.OpenedHere {
 		return

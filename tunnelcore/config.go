@@ -112,6 +112,14 @@ type Config struct {
 	// Error. Default DefaultAcceptBacklog.
 	AcceptBacklog int
 
+	// RefuseOpens, when set, answers every connection the peer opens with
+	// a REFUSED Error carrying this message, before anything is allocated
+	// for it, and Accept fails with ErrAcceptRefused: for an end that has no
+	// use for the peer's connections (a node: agents only answer the node's
+	// Connects). Such a session holds no accept backlog. Default "" (the
+	// peer's connections wait for Accept).
+	RefuseOpens string
+
 	// Budget is charged for receive windows above InitialWindow. Share one
 	// Budget between all sessions of a node. Nil: the session makes its own
 	// of DefaultBudget.

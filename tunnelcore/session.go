@@ -34,6 +34,8 @@ type Session struct {
 	spliced  atomic.Int64 // DATA bytes sent by splice (Stats.Spliced)
 	direct   atomic.Int64 // connections given a direct socket (Stats.Direct)
 
+	maint *maintainer // nil without a stall timeout or reclaim
+
 	directDialing chan struct{} // direct sockets being opened (takeDirectDial)
 	directRetryAt atomic.Int64  // unix ns before which none is opened (after a failure)
 	directLog     *logthrottle.Throttle
@@ -58,7 +60,7 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 		windowLimits: windowLimits{max: int64(cfg.MaxWindow), bdpMax: int64(cfg.MaxBDPWindow)},
 		stream:       stream,
 		conns:        make(map[uint64]*Conn),
-		accept:       make(chan *Conn, cfg.AcceptBacklog),
+		accept:       acceptBacklog(cfg),
 		done:         make(chan struct{}),
 		flowLog:      logthrottle.New(10*time.Second, 1),
 		peerLog:      logthrottle.New(10*time.Second, 5),
@@ -72,11 +74,11 @@ func NewSession(stream FrameStream, cfg Config) (*Session, error) {
 	} else {
 		s.nextID.Store(0)
 	}
+	if cfg.StallTimeout > 0 || cfg.ReclaimAfter > 0 {
+		s.maint = newMaintainer(s) // before anything can end the session
+	}
 	go s.recvLoop()
 	go s.sender.loop()
-	if cfg.StallTimeout > 0 || cfg.ReclaimAfter > 0 {
-		go s.maintain()
-	}
 	return s, nil
 }
 
@@ -127,8 +129,24 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	return c, nil
 }
 
+// acceptBacklog is the channel the peer's connections wait for Accept in;
+// none (nil) when the session refuses them.
+func acceptBacklog(cfg Config) chan *Conn {
+	if cfg.RefuseOpens != "" {
+		return nil
+	}
+	return make(chan *Conn, cfg.AcceptBacklog)
+}
+
+// ErrAcceptRefused is Accept's error on a session whose Config.RefuseOpens
+// refuses every connection the peer opens.
+var ErrAcceptRefused = errors.New("tunnel session refuses the connections its peer opens")
+
 // Accept waits for a connection the peer opened.
 func (s *Session) Accept(ctx context.Context) (*Conn, error) {
+	if s.accept == nil {
+		return nil, ErrAcceptRefused
+	}
 	select {
 	case c := <-s.accept:
 		return c, nil
@@ -211,6 +229,9 @@ func (s *Session) CloseWithError(cause error) {
 		s.mu.Unlock()
 		s.stream.Close(cause)
 		s.sender.shutdown()
+		if s.maint != nil {
+			s.maint.stop()
+		}
 		for _, c := range conns {
 			c.onSessionEnd(s.err)
 			s.removeConn(c)
@@ -239,9 +260,20 @@ func (s *Session) drainAccept() {
 // transport delivered no data meanwhile).
 var ErrStalled = errors.New("tunnel stream stalled: a send waited past the stall timeout while the connection moved no data")
 
-// maintain runs the stall watchdog and the window reclaim until the
-// session ends.
-func (s *Session) maintain() {
+// maintainer runs the stall watchdog and the window reclaim every period
+// until the session ends. It is a timer that re-arms itself rather than a
+// goroutine waiting on a ticker: a node holds one per agent session, and
+// an idle session should cost no stack. Ticks run one at a time (the next
+// is armed when one is done), so moved needs no lock.
+type maintainer struct {
+	s      *Session
+	period time.Duration
+	timer  atomic.Pointer[time.Timer] // the next tick's, for Stop at the session's end
+	moved  progressMark
+}
+
+// newMaintainer arms a maintainer for s.
+func newMaintainer(s *Session) *maintainer {
 	period := 250 * time.Millisecond
 	if st := s.cfg.StallTimeout; st > 0 && st/4 < period {
 		period = max(st/4, 5*time.Millisecond)
@@ -249,33 +281,47 @@ func (s *Session) maintain() {
 	if ra := s.cfg.ReclaimAfter; ra > 0 && ra/4 < period {
 		period = max(ra/4, 5*time.Millisecond)
 	}
-	tick := time.NewTicker(period)
-	defer tick.Stop()
-	var moved progressMark
-	for {
-		select {
-		case <-s.done:
-			return
-		case now := <-tick.C:
-			// The socket is read only while a Send is in progress: an idle
-			// session costs no syscall.
-			since := s.sender.sendingSince.Load()
-			if since != 0 {
-				moved.observe(s.cfg.Progress, now)
-			} else {
-				moved = progressMark{}
-			}
-			if s.stalled(now, since, moved.at) {
-				s.cfg.Logger.Warn("tunnel stream stalled; failing the session",
-					zap.Duration("stall_timeout", s.cfg.StallTimeout), zap.Int64("queued_bytes", s.Stats().Queued))
-				s.CloseWithError(ErrStalled)
-				return
-			}
-			if s.cfg.ReclaimAfter > 0 {
-				s.reclaimIdle(now)
-			}
-		}
+	m := &maintainer{s: s, period: period}
+	m.arm()
+	return m
+}
+
+// arm schedules the next tick.
+func (m *maintainer) arm() { m.timer.Store(time.AfterFunc(m.period, m.tick)) }
+
+// stop cancels the next tick (the session ended).
+func (m *maintainer) stop() {
+	if t := m.timer.Load(); t != nil {
+		t.Stop()
 	}
+}
+
+// tick is one round of maintenance, then arms the next unless the session
+// ended (a tick armed as it ended finds it done and does nothing).
+func (m *maintainer) tick() {
+	s := m.s
+	if s.isDone() {
+		return
+	}
+	now := time.Now()
+	// The socket is read only while a Send is in progress: an idle
+	// session costs no syscall.
+	since := s.sender.sendingSince.Load()
+	if since != 0 {
+		m.moved.observe(s.cfg.Progress, now)
+	} else {
+		m.moved = progressMark{}
+	}
+	if s.stalled(now, since, m.moved.at) {
+		s.cfg.Logger.Warn("tunnel stream stalled; failing the session",
+			zap.Duration("stall_timeout", s.cfg.StallTimeout), zap.Int64("queued_bytes", s.Stats().Queued))
+		s.CloseWithError(ErrStalled)
+		return
+	}
+	if s.cfg.ReclaimAfter > 0 {
+		s.reclaimIdle(now)
+	}
+	m.arm()
 }
 
 // stalled reports whether the Send in progress since sendingSince (unix

@@ -100,6 +100,10 @@ func (s *Session) onConnect(m *tunnelpb.Connect) {
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connection id %d is not in the opener's id space", id))
 		return
 	}
+	if msg := s.cfg.RefuseOpens; msg != "" {
+		s.sendPacedControl(errorFrame(id, tunnelpb.Error_REFUSED, msg))
+		return
+	}
 	if m.GetWindow() < InitialWindow && !m.GetDatagram() { // a flow has no credit
 		s.refuse(id, tunnelpb.Error_PROTOCOL, fmt.Sprintf("connect window %d below the protocol minimum %d", m.GetWindow(), InitialWindow))
 		return

@@ -732,3 +732,26 @@ func TestFlushUnderLoadReturns(t *testing.T) {
 		t.Fatalf("Flush under load: %v", err)
 	}
 }
+
+// A session with RefuseOpens answers every connection its peer opens with
+// REFUSED and that message, and has nothing to Accept.
+func TestRefuseOpens(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tr transport) {
+		node, agent := sessionPair(t, tr, Config{RefuseOpens: "no connections here"}, Config{})
+		if _, err := node.Accept(t.Context()); !errors.Is(err, ErrAcceptRefused) {
+			t.Fatalf("Accept: %v, want ErrAcceptRefused", err)
+		}
+		c, err := agent.Open(ConnectInfo{RouteKey: "x"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.Read(make([]byte, 1))
+		var pe *PeerError
+		if !errors.As(err, &pe) || pe.Code != tunnelpb.Error_REFUSED || pe.Message != "no connections here" {
+			t.Fatalf("read on a refused connection: %v, want REFUSED %q", err, "no connections here")
+		}
+		if n := node.NumConns(); n != 0 {
+			t.Fatalf("node holds %d connections, want 0", n)
+		}
+	})
+}
