@@ -190,9 +190,9 @@ echo "MB = 10^6 bytes; wrk -t2 -c64 -d$WRK_DURATION --latency; TTFB = curl time_
 
 echo
 echo "targets (sluice/caddy; informational${PIN_PUBLIC:+; set for shared CPUs, this run is pinned as two hosts}):"
-target "bulk: single download" single 0.7 sluice
-target "bulk: ${PAR_N}x parallel downloads" parallel 0.7 sluice
-target "small requests/s" rps 0.8 sluice
+target "bulk: single download" single 0.9 sluice
+target "bulk: ${PAR_N}x parallel downloads" parallel 0.9 sluice
+target "small requests/s" rps 0.95 sluice
 echo "reference (hop/caddy: what one more process costs by itself on this machine):"
 reference "bulk: single download" single
 reference "bulk: ${PAR_N}x parallel downloads" parallel

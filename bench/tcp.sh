@@ -171,10 +171,10 @@ echo "MB = 10^6 bytes; wrk -t2 -c64 -d$WRK_DURATION --latency; TTFB = curl time_
 
 echo
 echo "targets (sluice/l4; informational${PIN_PUBLIC:+; set for shared CPUs, this run is pinned as two hosts}):"
-target "bulk: single download MB/s" single 0.6 sluice
-target "small requests/s" rps 0.6 sluice
-target "(d) port route: bulk, single download MB/s" single 0.6 port
-target "(d) port route: small requests/s" rps 0.6 port
+target "bulk: single download MB/s" single 1.0 sluice
+target "small requests/s" rps 0.85 sluice
+target "(d) port route: bulk, single download MB/s" single 1.0 port
+target "(d) port route: small requests/s" rps 0.85 port
 echo "reference (hop/l4: what one more process costs by itself on this machine):"
 reference "bulk: single download MB/s" single
 reference "small requests/s" rps

@@ -268,8 +268,10 @@ var ErrStalled = errors.New("tunnel stream stalled: a send waited past the stall
 type maintainer struct {
 	s      *Session
 	period time.Duration
-	timer  atomic.Pointer[time.Timer] // the next tick's, for Stop at the session's end
-	moved  progressMark
+
+	mu    sync.Mutex
+	timer *time.Timer  // guarded by mu: armed for the next tick
+	moved progressMark // guarded by mu
 }
 
 // newMaintainer arms a maintainer for s.
@@ -282,18 +284,17 @@ func newMaintainer(s *Session) *maintainer {
 		period = max(ra/4, 5*time.Millisecond)
 	}
 	m := &maintainer{s: s, period: period}
-	m.arm()
+	m.mu.Lock()
+	m.timer = time.AfterFunc(period, m.tick)
+	m.mu.Unlock()
 	return m
 }
 
-// arm schedules the next tick.
-func (m *maintainer) arm() { m.timer.Store(time.AfterFunc(m.period, m.tick)) }
-
 // stop cancels the next tick (the session ended).
 func (m *maintainer) stop() {
-	if t := m.timer.Load(); t != nil {
-		t.Stop()
-	}
+	m.mu.Lock()
+	m.timer.Stop()
+	m.mu.Unlock()
 }
 
 // tick is one round of maintenance, then arms the next unless the session
@@ -307,12 +308,15 @@ func (m *maintainer) tick() {
 	// The socket is read only while a Send is in progress: an idle
 	// session costs no syscall.
 	since := s.sender.sendingSince.Load()
+	m.mu.Lock()
 	if since != 0 {
 		m.moved.observe(s.cfg.Progress, now)
 	} else {
 		m.moved = progressMark{}
 	}
-	if s.stalled(now, since, m.moved.at) {
+	movedAt := m.moved.at
+	m.mu.Unlock()
+	if s.stalled(now, since, movedAt) {
 		s.cfg.Logger.Warn("tunnel stream stalled; failing the session",
 			zap.Duration("stall_timeout", s.cfg.StallTimeout), zap.Int64("queued_bytes", s.Stats().Queued))
 		s.CloseWithError(ErrStalled)
@@ -321,7 +325,9 @@ func (m *maintainer) tick() {
 	if s.cfg.ReclaimAfter > 0 {
 		s.reclaimIdle(now)
 	}
-	m.arm()
+	m.mu.Lock()
+	m.timer.Reset(m.period) // a Stop since the isDone check: the tick finds it done
+	m.mu.Unlock()
 }
 
 // stalled reports whether the Send in progress since sendingSince (unix
