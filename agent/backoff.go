@@ -47,6 +47,23 @@ func (b *backoff) Next() time.Duration {
 	return d
 }
 
+// Spread returns the wait before the first attempt after a node's Drain
+// that asked its agents to spread their reconnections over d (the Drain's
+// reconnect_spread_ms): drawn uniformly from [initial/2, d] when d is above
+// the current ceiling, so that the agents of a node with many do not all
+// come back at once; else the wait Next returns. Either way the ceiling
+// rises as with Next, so an attempt that fails backs off as after any
+// other wait.
+func (b *backoff) Spread(d time.Duration) time.Duration {
+	if d <= b.ceiling {
+		return b.Next()
+	}
+	lo := b.initial / 2
+	w := lo + time.Duration(b.randN(int64(d-lo)+1))
+	b.ceiling = min(2*b.ceiling, b.max)
+	return w
+}
+
 // Ceiling returns the ceiling the next wait is drawn under.
 func (b *backoff) Ceiling() time.Duration { return b.ceiling }
 

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/sluice-tunnel/sluice/internal/ident"
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // Errors of a check's result (CheckResult.Err), which sluice-agent check
@@ -51,6 +52,11 @@ type NodeCheck struct {
 	Accepted []string
 	// Rejected are the routes the node rejected, with its reasons.
 	Rejected []RejectedRoute
+	// HeldByAgent are the listen-port routes the node refused only
+	// because the agent of the configured id, running beside the check,
+	// holds their port (tunnelpb.PortHeldReason): that agent has them,
+	// so they are no rejection.
+	HeldByAgent []RejectedRoute
 	// Overlaps are the accepted routes an agent of another credential
 	// serves too.
 	Overlaps []RouteOverlap
@@ -137,7 +143,7 @@ func Check(ctx context.Context, cfg *Config, logger *zap.Logger) (CheckResult, e
 	res.Nodes = make([]NodeCheck, len(targets))
 	var wg sync.WaitGroup
 	for i, t := range targets {
-		wg.Go(func() { res.Nodes[i] = a.checkNode(ctx, t) })
+		wg.Go(func() { res.Nodes[i] = a.checkNode(ctx, t, cfg.ID) })
 	}
 	wg.Wait()
 	if !a.conn.wait(shutdownWait) {
@@ -147,14 +153,28 @@ func Check(ctx context.Context, cfg *Config, logger *zap.Logger) (CheckResult, e
 }
 
 // checkID is the id a check advertises under: id with a random suffix,
-// within the length the node accepts.
+// within the length the node accepts. It sorts after id, as the node
+// orders agents (byte-wise), so that the running agent of id keeps what
+// the smallest id gets: its listen ports, its traffic under lb_policy
+// first. id plus the suffix does, having id as its prefix; an id too long
+// for that is cut where a '~' (the greatest byte an id may hold) can
+// replace a smaller byte.
 func checkID(id string) string {
 	var b [4]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		panic("agent: crypto/rand: " + err.Error())
 	}
 	suffix := "-check-" + hex.EncodeToString(b[:])
-	return id[:min(len(id), ident.MaxIDLength-len(suffix))] + suffix
+	keep := ident.MaxIDLength - len(suffix)
+	if len(id) <= keep {
+		return id + suffix
+	}
+	for k := keep - 1; k >= 0; k-- {
+		if id[k] < '~' {
+			return id[:k] + "~" + suffix
+		}
+	}
+	return id[:keep] + suffix // all '~': nothing sorts after it within the length
 }
 
 // checkTargets are the nodes a check dials: the server, or with
@@ -180,18 +200,18 @@ func (a *Agent) checkTargets(ctx context.Context) ([]*linkTarget, error) {
 }
 
 // checkNode runs one session attempt with t through the agent's own
-// handshake (dial, stream, transport, Advertise, AdvertiseAck), records
-// the ack, and leaves the node.
-func (a *Agent) checkNode(ctx context.Context, t *linkTarget) NodeCheck {
+// connect path (link.connect: dial, stream, transport, Advertise,
+// AdvertiseAck), records the ack, and leaves the node. self is the
+// configured agent id the check stands in for.
+func (a *Agent) checkNode(ctx context.Context, t *linkTarget, self string) NodeCheck {
 	nc := NodeCheck{Server: t.url}
 	l := newLink(a, originServer, t)
 	defer func() {
 		l.stopAgentLeave()
 		l.end()
 	}()
-	s := &sessionAttempt{a: a, l: l, t: t, runCtx: ctx}
+	s, ack, failed := l.connect(ctx, t)
 	defer s.close()
-	ack, failed := s.handshake()
 	if failed != nil {
 		useTLS, _ := a.cfg.ServerAddr()
 		nc.Err = checkConnectError(failed.err, useTLS)
@@ -201,9 +221,7 @@ func (a *Agent) checkNode(ctx context.Context, t *linkTarget) NodeCheck {
 	for _, k := range ack.GetAccepted() {
 		nc.Accepted = append(nc.Accepted, k.GetName())
 	}
-	for _, rj := range ack.GetRejected() {
-		nc.Rejected = append(nc.Rejected, RejectedRoute{Name: rj.GetName(), ListenPort: int(rj.GetListenPort()), Reason: rj.GetReason()})
-	}
+	nc.Rejected, nc.HeldByAgent = splitRejected(ack.GetRejected(), self)
 	for _, o := range ack.GetOverlaps() {
 		nc.Overlaps = append(nc.Overlaps, RouteOverlap{Route: o.GetName(), OtherCredential: o.GetOtherCredential(),
 			OtherAgentID: o.GetOtherAgentId(), Shadowed: o.GetShadowed()})
@@ -212,6 +230,20 @@ func (a *Agent) checkNode(ctx context.Context, t *linkTarget) NodeCheck {
 	defer wait() // after the session ended (leaveAfterCheck)
 	s.leaveAfterCheck(ctx)
 	return nc
+}
+
+// splitRejected sorts a node's rejections into the real ones and those of
+// listen ports the agent self holds (see NodeCheck.HeldByAgent).
+func splitRejected(rejected []*tunnelpb.RejectedRoute, self string) (refused, held []RejectedRoute) {
+	for _, rj := range rejected {
+		r := RejectedRoute{Name: rj.GetName(), ListenPort: int(rj.GetListenPort()), Reason: rj.GetReason()}
+		if port := rj.GetListenPort(); port != 0 && r.Reason == tunnelpb.PortHeldReason(port, self) {
+			held = append(held, r)
+			continue
+		}
+		refused = append(refused, r)
+	}
+	return refused, held
 }
 
 // leaveAfterCheck leaves the node as the agent does on SIGTERM: Drain,

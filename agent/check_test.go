@@ -124,8 +124,8 @@ func TestCheckInvalidConfig(t *testing.T) {
 	}
 }
 
-// TestCheckID: the check's id keeps the configured one recognisable and
-// stays within the length the node accepts.
+// TestCheckID: the check's id keeps the configured one recognisable,
+// stays within the length the node accepts and sorts after it.
 func TestCheckID(t *testing.T) {
 	if id := checkID("web-1"); !strings.HasPrefix(id, "web-1-check-") || len(id) != len("web-1-check-")+8 {
 		t.Errorf("checkID(web-1) = %q", id)
@@ -134,7 +134,33 @@ func TestCheckID(t *testing.T) {
 	if id := checkID(long); len(id) != ident.MaxIDLength || ident.CheckID(id) != nil || !strings.Contains(id, "-check-") {
 		t.Errorf("checkID(128 x) = %q", id)
 	}
+	// It sorts after the configured id (the node's routing order), also
+	// when that is cut to make room for the suffix.
+	for _, id := range []string{"web-1", long, strings.Repeat("b", ident.MaxIDLength-10), strings.Repeat("c", 110) + strings.Repeat("~", 18)} {
+		if c := checkID(id); c <= id || len(c) > ident.MaxIDLength || ident.CheckID(c) != nil {
+			t.Errorf("checkID(%q) = %q: want a valid id that sorts after it", id, c)
+		}
+	}
 	if first, second := checkID("a"), checkID("a"); first == second {
 		t.Error("two checks of one id share an id")
+	}
+}
+
+// TestSplitRejected: a listen port refused only because the agent of the
+// configured id holds it is no rejection; any other reason, or another
+// agent holding the port, is one.
+func TestSplitRejected(t *testing.T) {
+	in := []*tunnelpb.RejectedRoute{
+		{Name: ":16000", ListenPort: 16000, Reason: tunnelpb.PortHeldReason(16000, "agent-main")},
+		{Name: ":16001", ListenPort: 16001, Reason: tunnelpb.PortHeldReason(16001, "agent-other")},
+		{Name: ":17000", ListenPort: 17000, Reason: "port 17000 is outside tcp_port_range 16000-16099"},
+		{Name: "app.test", Reason: tunnelpb.PortHeldReason(0, "agent-main")},
+	}
+	refused, held := splitRejected(in, "agent-main")
+	if len(held) != 1 || held[0].ListenPort != 16000 {
+		t.Fatalf("held %+v, want :16000 alone", held)
+	}
+	if len(refused) != 3 || refused[0].Name != ":16001" || refused[1].Name != ":17000" || refused[2].Name != "app.test" {
+		t.Fatalf("rejected %+v, want :16001, :17000 and app.test", refused)
 	}
 }

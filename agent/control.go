@@ -26,6 +26,9 @@ type control struct {
 	// (drained guards it).
 	drains  chan time.Duration
 	drained atomic.Bool
+	// spread is the reconnect spread the node's Drain asked for (0:
+	// none), stored before drained is set.
+	spread atomic.Int64
 	// onMembership takes the node's MembershipUpdate, with the id of the
 	// node that sent it; it must not block. nil: logged only.
 	onMembership func(sender string, m *tunnelpb.MembershipUpdate)
@@ -74,14 +77,39 @@ func (c *control) onAdvertiseAck(ack *tunnelpb.AdvertiseAck) {
 }
 
 // onDrain passes the grace of the node's first Drain to the serve loop,
-// which ends the session itself if the node does not within it.
+// which ends the session itself if the node does not within it, and keeps
+// its reconnect spread for the link's next attempt.
 func (c *control) onDrain(d *tunnelpb.Drain) {
-	if !c.drained.CompareAndSwap(false, true) {
+	// dispatch runs on the session's receive loop alone: no other onDrain
+	// runs meanwhile. The spread is stored before drained, so whoever sees
+	// drained sees it.
+	if c.drained.Load() {
 		return
 	}
+	spread := drainSpread(d)
+	c.spread.Store(int64(spread))
+	c.drained.Store(true)
 	grace := time.Duration(d.GetGraceMs()) * time.Millisecond
-	c.logger().Info("node draining", zap.String("reason", d.GetReason()), zap.String("grace", grace.String()))
+	fields := []zap.Field{zap.String("reason", d.GetReason()), zap.String("grace", grace.String())}
+	if spread > 0 {
+		fields = append(fields, zap.String("reconnect_spread", spread.String()))
+	}
+	c.logger().Info("node draining", fields...)
 	c.drains <- grace // buffered, and sent once: never blocks
+}
+
+// minDrainSpread is the least reconnect spread a Drain asks for; below it
+// (or 0: a node that predates the field) the agent reconnects with its
+// backoff alone.
+const minDrainSpread = time.Second
+
+// drainSpread is the reconnect spread d asks for; 0 for none.
+func drainSpread(d *tunnelpb.Drain) time.Duration {
+	spread := time.Duration(d.GetReconnectSpreadMs()) * time.Millisecond
+	if spread < minDrainSpread {
+		return 0
+	}
+	return spread
 }
 
 // onMembershipUpdate logs the node's cluster membership and hands it on,
@@ -101,6 +129,15 @@ func (c *control) onError(e *tunnelpb.Error) {
 
 // nodeDrained reports whether the node sent Drain.
 func (c *control) nodeDrained() bool { return c.drained.Load() }
+
+// reconnectSpread is the reconnect spread of the node's Drain; 0 without
+// a Drain, or one that asked for none.
+func (c *control) reconnectSpread() time.Duration {
+	if !c.drained.Load() {
+		return 0
+	}
+	return time.Duration(c.spread.Load())
+}
 
 // latestAck holds the newest AdvertiseAck the session loop has not taken
 // yet. Every ack states the session's whole route set (its accepted and

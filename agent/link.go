@@ -188,7 +188,7 @@ func (l *link) run(ctx context.Context) {
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
 	defer context.AfterFunc(l.leaveReq, func() { context.AfterFunc(l.leaveCtx, stop) })()
-	bo := newBackoff(l.a.backoffInitial, l.a.backoffMax, nil)
+	bo := newBackoff(l.a.backoffInitial, l.a.backoffMax, l.a.linkRandN)
 	announce := true // log "connecting" at info (first attempt, or after a session)
 	failed := 0      // attempts in a row that got no session
 	for ctx.Err() == nil && !l.leaving() {
@@ -216,7 +216,11 @@ func (l *link) run(ctx context.Context) {
 			bo.Reset()
 		}
 		announce = r.connected
-		wait := bo.Next()
+		// After a node's Drain that asked for a reconnect spread, the
+		// wait is drawn from [initial/2, spread], so that the node's
+		// agents do not all come back within a second (backoff.Spread);
+		// if that attempt fails, the backoff goes on as after any wait.
+		wait := bo.Spread(r.spread)
 		l.markDisconnected(StateRetrying)
 		l.logEnd(r, wait, t)
 		if !l.pause(ctx, wait) {
@@ -353,6 +357,9 @@ func (l *link) logEnd(r sessionResult, wait time.Duration, t *linkTarget) {
 	}
 	if r.connected {
 		fields = append(fields, zap.String("connected_for", r.uptime.Round(time.Millisecond).String()))
+	}
+	if r.drained && r.spread > 0 {
+		fields = append(fields, zap.String("reconnect_spread", r.spread.Round(time.Millisecond).String()))
 	}
 	l.live.setLastError(msg)
 	if hint := connectHint(msg, l.a.cfg.serverTLS); hint != "" {

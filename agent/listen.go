@@ -111,10 +111,7 @@ func ListenRoutes(ctx context.Context, cfg *Config, routes []Upstream, opts ...O
 	l.a, l.addr = a, ListenAddr{Routes: names}
 	runCtx, stop := context.WithCancel(context.Background())
 	l.stop = stop
-	go func() {
-		defer close(l.done)
-		l.runErr = a.Run(runCtx)
-	}()
+	go l.run(runCtx)
 	if err := l.awaitAccepted(ctx); err != nil {
 		l.closeQueue()
 		stop()
@@ -122,6 +119,17 @@ func ListenRoutes(ctx context.Context, cfg *Config, routes []Upstream, opts ...O
 		return nil, err
 	}
 	return l, nil
+}
+
+// run runs the agent until it stops, then closes the queue: nothing will
+// deliver a connection any more, so Accept returns net.ErrClosed instead
+// of waiting for good, and a connection still in the backlog is refused
+// (it holds a max_connections slot). The agent may stop without Close: a
+// program that called Agent().Leave, say.
+func (l *Listener) run(ctx context.Context) {
+	defer close(l.done)
+	l.runErr = l.a.Run(ctx)
+	l.closeQueue()
 }
 
 // awaitAccepted waits until a node acknowledged the Listener's routes, and
@@ -169,8 +177,8 @@ type Listener struct {
 }
 
 // Accept waits for and returns the next connection a node opened for one
-// of the Listener's routes, an *agent.Conn. After Close it returns
-// net.ErrClosed.
+// of the Listener's routes, an *agent.Conn. After Close, or once the agent
+// stopped, it returns net.ErrClosed.
 func (l *Listener) Accept() (net.Conn, error) {
 	select {
 	case <-l.closed:

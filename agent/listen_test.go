@@ -203,6 +203,36 @@ func TestListenCloseWithdraws(t *testing.T) {
 	}
 }
 
+// TestListenAcceptEndsWhenAgentStops: an agent that stops without the
+// Listener's Close (its Leave called directly) ends a blocked Accept with
+// net.ErrClosed, rather than leaving it waiting for good.
+func TestListenAcceptEndsWhenAgentStops(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{})
+	l := listenFast(t, testConfig(node.addr, "secret"), []Upstream{{Host: "app.test"}})
+	node.next(t)
+	errc := make(chan error, 1)
+	go func() {
+		c, err := l.Accept()
+		if c != nil {
+			c.Close()
+		}
+		errc <- err
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := l.Agent().Leave(ctx); err != nil {
+		t.Fatalf("Leave: %v", err)
+	}
+	select {
+	case err := <-errc:
+		if !errors.Is(err, net.ErrClosed) {
+			t.Fatalf("Accept after the agent stopped: %v, want net.ErrClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Accept still blocked 10s after the agent stopped")
+	}
+}
+
 func TestListenShutdownCutsAtDeadline(t *testing.T) {
 	node := newFakeNode(t, "secret", nodeOptions{})
 	l := listenFast(t, testConfig(node.addr, "secret"), []Upstream{{Host: "app.test"}})

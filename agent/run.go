@@ -159,6 +159,9 @@ type Agent struct {
 	onConnEnd                  func(ConnReport) // WithConnEnd; nil: none
 	ackTimeout                 time.Duration
 	drainMargin                time.Duration
+	// linkRandN draws the links' reconnect waits (backoff.randN); nil:
+	// math/rand/v2. Tests replace it.
+	linkRandN func(n int64) int64
 
 	phase   atomic.Int32  // runPhase
 	stopped chan struct{} // closed when Run returns

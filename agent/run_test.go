@@ -300,6 +300,47 @@ func TestDrainWithoutCloseReconnects(t *testing.T) {
 	}
 }
 
+// TestDrainReconnectSpread: a node's Drain with reconnect_spread_ms makes
+// the agent draw its next attempt from [initial/2, spread], above its
+// backoff's ceiling (200 ms here); a spread below 1 s is none (the agent
+// backs off as before).
+func TestDrainReconnectSpread(t *testing.T) {
+	node := newFakeNode(t, "secret", nodeOptions{})
+	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}),
+		func(a *Agent) { a.linkRandN = func(n int64) int64 { return n - 1 } }) // the top of each range
+	drained := func() []map[string]any {
+		var out []map[string]any
+		for _, e := range ag.logs.FilterMessage("disconnected: node drained; reconnecting").All() {
+			out = append(out, e.ContextMap())
+		}
+		return out
+	}
+
+	ns := node.next(t)
+	ns.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{Reason: "test", ReconnectSpreadMs: 1200}}})
+	waitFor(t, 10*time.Second, "the draining line", func() bool { return hasLog(ag.logs, "node draining", "reconnect_spread", "1.2s") })
+	ended := time.Now()
+	ns.cancel() // the node ends the session
+	ns = node.next(t)
+	if waited := time.Since(ended); waited < 1200*time.Millisecond {
+		t.Errorf("reconnected %v after the drained session ended, want the spread's top, 1.2s", waited)
+	}
+	waitFor(t, 10*time.Second, "the drained line", func() bool { return len(drained()) == 1 })
+	if f := drained()[0]; f["retry_in"] != "1.2s" || f["reconnect_spread"] != "1.2s" {
+		t.Errorf("drained line %v, want retry_in and reconnect_spread 1.2s", f)
+	}
+
+	// Below 1 s: the backoff's own wait, the top of [10ms, 20ms].
+	ns.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{Reason: "test", ReconnectSpreadMs: 999}}})
+	waitFor(t, 10*time.Second, "the second draining line", func() bool { return ag.logs.FilterMessage("node draining").Len() == 2 })
+	ns.cancel()
+	node.next(t)
+	waitFor(t, 10*time.Second, "the second drained line", func() bool { return len(drained()) == 2 })
+	if f := drained()[1]; f["retry_in"] != "20ms" || f["reconnect_spread"] != nil {
+		t.Errorf("drained line %v, want retry_in 20ms and no reconnect_spread", f)
+	}
+}
+
 func TestAckTimeoutRetries(t *testing.T) {
 	node := newFakeNode(t, "secret", nodeOptions{ack: func(*tunnelpb.Advertise, int) *tunnelpb.AdvertiseAck { return nil }})
 	ag := startAgent(t, testConfig(node.addr, "secret", Upstream{Name: "web", Target: "http://127.0.0.1:1"}),

@@ -23,6 +23,9 @@ type sessionResult struct {
 	drained   bool          // the node sent Drain
 	err       error         // why it ended
 	uptime    time.Duration // how long it was connected
+	// spread is the reconnect spread of the node's Drain (0: none): the
+	// link draws its next attempt from [initial/2, spread] (backoff.Spread).
+	spread time.Duration
 	// standby is the id of the node the attempt reached when another
 	// link serves that node already (cluster.claim): the link stands by.
 	standby string
@@ -71,13 +74,24 @@ type sessionAttempt struct {
 // session runs one session attempt of the link to t: the handshake, then
 // serving until the session ends or ctx is cancelled.
 func (l *link) session(ctx context.Context, t *linkTarget) sessionResult {
-	s := &sessionAttempt{a: l.a, l: l, t: t, runCtx: ctx}
+	s, ack, failed := l.connect(ctx, t)
 	defer s.close()
-	ack, failed := s.handshake()
 	if failed != nil {
 		return *failed
 	}
 	return s.serve(ack)
+}
+
+// connect begins a session attempt of l to t under the link's context ctx
+// and runs its handshake (dial, stream, transport, Advertise, the first
+// AdvertiseAck). It is the connect path the agent's links (session) and
+// Check share, so that a check proves what the agent will do; only what
+// follows the ack differs. The caller closes s whatever the outcome;
+// failed says why there is no ack.
+func (l *link) connect(ctx context.Context, t *linkTarget) (s *sessionAttempt, ack *tunnelpb.AdvertiseAck, failed *sessionResult) {
+	s = &sessionAttempt{a: l.a, l: l, t: t, runCtx: ctx}
+	ack, failed = s.handshake()
+	return s, ack, failed
 }
 
 // later registers f for close, which runs it after everything registered
@@ -205,7 +219,7 @@ func (s *sessionAttempt) awaitAck() (*tunnelpb.AdvertiseAck, *sessionResult) {
 		}
 		return ack, nil
 	case <-s.sess.Done():
-		return nil, &sessionResult{err: s.endReason(), drained: s.ctl.nodeDrained()}
+		return nil, &sessionResult{err: s.endReason(), drained: s.ctl.nodeDrained(), spread: s.ctl.reconnectSpread()}
 	case <-s.runCtx.Done():
 		return nil, &sessionResult{err: s.runCtx.Err()}
 	case <-s.l.leaveReq.Done():
@@ -350,7 +364,7 @@ func (s *sessionAttempt) ended() sessionResult {
 		}
 		s.lv.ended(err, drained)
 	}
-	return sessionResult{connected: true, err: err, drained: drained}
+	return sessionResult{connected: true, err: err, drained: drained, spread: s.ctl.reconnectSpread()}
 }
 
 // leave starts leaving: rejected routes are advertised no more.

@@ -42,7 +42,7 @@ func init() {
 //	        hosts           <host|*.suffix|*>...
 //	        server_names    <name|*.suffix|*>...  # TLS passthrough
 //	        services        <name|*>...       # named TCP and UDP services
-//	        ports           <lo>-<hi>         # listen ports (TCP and UDP)
+//	        ports           <ports>...        # listen ports (TCP and UDP), as tcp_port_range
 //	        patterns                          # may advertise host patterns
 //	        catch_all                         # may advertise the catch-all
 //	        max_sessions    <n>
@@ -191,13 +191,18 @@ func singleArg(d *caddyfile.Dispenser, dst *string) error {
 // comma-separated list of them ("16000-16099,17000" or "16000-16099
 // 17000"), joined into the comma-separated JSON form.
 func portListArg(d *caddyfile.Dispenser, dst *string) error {
-	opt := d.Val()
+	return portListArgAs(d, d.Val(), dst)
+}
+
+// portListArgAs is portListArg with what naming the option in its errors
+// ("credential ops: ports"), for a port list inside a block.
+func portListArgAs(d *caddyfile.Dispenser, what string, dst *string) error {
 	args := d.RemainingArgs()
 	if len(args) == 0 {
-		return d.Errf("sluice: %s: missing value", opt)
+		return d.Errf("sluice: %s: missing value", what)
 	}
 	list := strings.Join(args, ",")
-	if _, err := parsePortList(opt, list); err != nil {
+	if _, err := parsePortList(what, list); err != nil {
 		return d.Errf("sluice: %v", err)
 	}
 	*dst = list

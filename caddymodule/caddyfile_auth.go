@@ -55,11 +55,9 @@ func (a *App) unmarshalCredential(d *caddyfile.Dispenser) error {
 		case "services":
 			err = listArg(d, &c.Scope.Services)
 		case "ports":
-			if err = singleArg(d, &c.Scope.Ports); err == nil {
-				if _, perr := parsePortRange(c.Scope.Ports); perr != nil {
-					err = d.Errf("sluice: credential %s: ports: %v", c.Name, perr)
-				}
-			}
+			// A list, as tcp_port_range: "16000-16099,17000" or
+			// several arguments.
+			err = portListArgAs(d, "credential "+c.Name+": ports", &c.Scope.Ports)
 		case "patterns":
 			err = flagArg(d, &c.Scope.AllowPatterns)
 		case "catch_all":

@@ -23,6 +23,8 @@ func TestCaddyfileErrorsHeadersAndPorts(t *testing.T) {
 		{"tcp_port_range bad piece", "{\n\tsluice {\n\t\ttcp_port_range 16000-16099,abc\n\t}\n}\n:80\n", `sluice: tcp_port_range: "16000-16099,abc": piece "abc" is not a port`},
 		{"tcp_port_range bad arg", "{\n\tsluice {\n\t\ttcp_port_range 16000-16099 99999\n\t}\n}\n:80\n", `sluice: tcp_port_range: "16000-16099,99999": piece "99999"`},
 		{"tcp_port_range missing", "{\n\tsluice {\n\t\ttcp_port_range\n\t}\n}\n:80\n", "sluice: tcp_port_range: missing value"},
+		{"credential ports bad arg", "{\n\tsluice {\n\t\tcredential ops {\n\t\t\ttoken 0123456789abcdef0123456789abcdef\n\t\t\tports 16000-16009 x\n\t\t}\n\t}\n}\n:80\n", `sluice: credential ops: ports: "16000-16009,x": piece "x"`},
+		{"credential ports missing", "{\n\tsluice {\n\t\tcredential ops {\n\t\t\tports\n\t\t}\n\t}\n}\n:80\n", "sluice: credential ops: ports: missing value"},
 		{"udp_port_range reversed", "{\n\tsluice {\n\t\tudp_port_range 15400 15309-15300\n\t}\n}\n:80\n", `sluice: udp_port_range: "15400,15309-15300": piece "15309-15300"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -68,8 +68,9 @@ type Scope struct {
 	// NAME`) the agents may serve; "*" allows any.
 	Services []string `json:"services,omitempty"`
 
-	// Ports is the range of listen ports ("16000-16099" or one port) the
-	// agents may claim, within the node's tcp_port_range.
+	// Ports is the list of listen ports the agents may claim, within the
+	// node's tcp_port_range (or udp_port_range), in its syntax: ports and
+	// lo-hi ranges, comma-separated ("16000-16099,17000").
 	Ports string `json:"ports,omitempty"`
 
 	// AllowPatterns lets the agents advertise host patterns (HTTP and TLS

@@ -74,3 +74,45 @@ func connectStream(t *testing.T, cc *grpc.ClientConn, token string) (grpc.BidiSt
 	t.Cleanup(cancel)
 	return tunnelpb.NewTunnelClient(cc).Connect(ctx)
 }
+
+// TestReconnectSpread: 2 ms per drained session, at least 1 s (a few
+// agents reconnect as before) and at most 60 s.
+func TestReconnectSpread(t *testing.T) {
+	for _, tc := range []struct {
+		sessions int
+		want     time.Duration
+	}{
+		{0, time.Second},
+		{1, time.Second},
+		{500, time.Second},
+		{501, 1002 * time.Millisecond},
+		{1000, 2 * time.Second},
+		{10_000, 20 * time.Second},
+		{30_000, time.Minute},
+		{1_000_000, time.Minute},
+	} {
+		if got := reconnectSpread(tc.sessions); got != tc.want {
+			t.Errorf("reconnectSpread(%d) = %v, want %v", tc.sessions, got, tc.want)
+		}
+	}
+}
+
+// TestDrainCarriesReconnectSpread: the Drain a node sends its sessions
+// when it shuts down asks for the spread of their number.
+func TestDrainCarriesReconnectSpread(t *testing.T) {
+	n := testNode(t)
+	_, frames := registerAgent(t, n, "agent-a")
+	registerAgent(t, n, "agent-b")
+	n.drain()
+	for {
+		f := frames.next(t)
+		d := f.GetDrain()
+		if d == nil {
+			continue // the AdvertiseAck
+		}
+		if d.GetReconnectSpreadMs() != 1000 || d.GetReason() != "node shutting down" {
+			t.Fatalf("Drain %v, want reconnect_spread_ms 1000", d)
+		}
+		return
+	}
+}

@@ -74,7 +74,8 @@ const DefaultStreamCloseDelay = 24 * time.Hour
 // response head longer than response_header_timeout (default 60 s; see
 // StreamPolicy) is answered 504 Gateway Timeout: an upstream that accepts
 // and never answers cannot hold a client for good. A stream whose head came
-// is not cut by it.
+// is not cut by it, and gRPC calls, whose server streams may send their
+// head with their first message, are exempt.
 type Handler struct {
 	reverseproxy.Handler
 	StreamPolicy
@@ -261,18 +262,27 @@ func (h *Handler) provisionForwardHeaders() error {
 	return nil
 }
 
-// alwaysForwarded are the headers that cross whatever forward_headers
-// says (see Handler.ForwardHeaders for why), by canonical name.
-var alwaysForwarded = map[string]struct{}{
-	"Content-Type": {}, "Content-Encoding": {}, "Content-Length": {},
-	"Connection": {}, "Upgrade": {}, "Te": {},
-	"X-Forwarded-For": {}, "X-Forwarded-Proto": {}, "X-Forwarded-Host": {},
+// alwaysForwarded reports whether the header of canonical name ck crosses
+// whatever forward_headers says (see Handler.ForwardHeaders for why).
+func alwaysForwarded(ck string) bool {
+	switch ck {
+	case "Content-Type", "Content-Encoding", "Content-Length",
+		"Connection", "Upgrade", "Te",
+		"X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host":
+		return true
+	}
+	return false
 }
 
-// upgradeHandshake are the WebSocket handshake headers, which cross on an
-// upgrade request whatever forward_headers says.
-var upgradeHandshake = map[string]struct{}{
-	"Sec-Websocket-Key": {}, "Sec-Websocket-Version": {}, "Sec-Websocket-Protocol": {}, "Sec-Websocket-Extensions": {},
+// upgradeHandshake reports whether the header of canonical name ck is one
+// of the WebSocket handshake's, which cross on an upgrade request whatever
+// forward_headers says.
+func upgradeHandshake(ck string) bool {
+	switch ck {
+	case "Sec-Websocket-Key", "Sec-Websocket-Version", "Sec-Websocket-Protocol", "Sec-Websocket-Extensions":
+		return true
+	}
+	return false
 }
 
 // forwards reports whether header k crosses under forward_headers.
@@ -284,11 +294,7 @@ func (h *Handler) forwards(k string, upgrade bool) bool {
 	if _, ok := h.forward[ck]; ok {
 		return true
 	}
-	if _, ok := alwaysForwarded[ck]; ok {
-		return true
-	}
-	_, ok := upgradeHandshake[ck]
-	return ok && upgrade
+	return alwaysForwarded(ck) || (upgrade && upgradeHandshake(ck))
 }
 
 // withForwardHeaders returns r with only the headers forward_headers lets

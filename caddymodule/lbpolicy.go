@@ -26,22 +26,16 @@ const (
 	LBLeastConn = "least_conn"
 )
 
-// lbPolicyNames are the valid lb_policy values, in the order error
-// messages list them.
-var lbPolicyNames = []string{LBFirst, LBRoundRobin, LBRandom, LBLeastConn}
-
 // ValidLBPolicy reports an error naming the valid values if name is not
 // one ("" stands for first).
 func ValidLBPolicy(name string) error {
-	if name == "" {
+	switch name {
+	case "", LBFirst, LBRoundRobin, LBRandom, LBLeastConn:
 		return nil
 	}
-	for _, n := range lbPolicyNames {
-		if n == name {
-			return nil
-		}
-	}
-	return fmt.Errorf("unknown policy %q (want one of %s)", name, strings.Join(lbPolicyNames, ", "))
+	// In the order the error lists them.
+	names := []string{LBFirst, LBRoundRobin, LBRandom, LBLeastConn}
+	return fmt.Errorf("unknown policy %q (want one of %s)", name, strings.Join(names, ", "))
 }
 
 // LBPolicy chooses one of the agents serving a layer4 route. One belongs
@@ -95,9 +89,9 @@ func (p *LBPolicy) pick(routes []*routeEntry) *routeEntry {
 	case LBRandom:
 		return routes[rand.IntN(len(routes))]
 	case LBLeastConn:
-		best, fewest := routes[0], routes[0].active.Load()
+		best, fewest := routes[0], routes[0].conns().Load()
 		for _, e := range routes[1:] {
-			if n := e.active.Load(); n < fewest {
+			if n := e.conns().Load(); n < fewest {
 				best, fewest = e, n
 			}
 		}

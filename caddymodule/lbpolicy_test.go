@@ -79,7 +79,7 @@ func TestLBPolicyPick(t *testing.T) {
 		t.Errorf("least_conn with a:2 b:3 c:1 open: %s, want c", got)
 	}
 
-	for _, name := range lbPolicyNames {
+	for _, name := range []string{LBFirst, LBRoundRobin, LBRandom, LBLeastConn} {
 		p := mustPolicy(t, name)
 		if got := p.pick(routes[1:2]); got != routes[1] {
 			t.Errorf("%s with one route: %v", name, got)
@@ -93,7 +93,7 @@ func TestLBPolicyPick(t *testing.T) {
 // TestLBPolicyNames: every valid name parses to itself; another one is
 // refused with the valid names listed.
 func TestLBPolicyNames(t *testing.T) {
-	for _, name := range lbPolicyNames {
+	for _, name := range []string{LBFirst, LBRoundRobin, LBRandom, LBLeastConn} {
 		if got := mustPolicy(t, name).Name(); got != name {
 			t.Errorf("NewLBPolicy(%q).Name() = %q", name, got)
 		}
@@ -164,5 +164,42 @@ func TestResolveUnderPolicy(t *testing.T) {
 	}
 	if got := strings.Join(ids, ""); got != "abca" {
 		t.Errorf("round_robin of UDP flows by name: %s, want abca", got)
+	}
+}
+
+// TestLeastConnAcrossReadvertise: a repeated Advertise (an agent retrying
+// its rejected routes) gives the routes new entries; a route it advertises
+// again keeps counting the connections opened on its old entry, which end
+// there, so least_conn does not take the agent for idle while they run.
+func TestLeastConnAcrossReadvertise(t *testing.T) {
+	n := testNode(t)
+	svc := &tunnelpb.Route{Name: "svc", Target: "tcp://127.0.0.1:9"}
+	a := register(t, n.reg, "a", svc)
+	register(t, n.reg, "b", svc)
+	old := a.routes[0]
+	// Two connections run on a, one on b.
+	old.conns().Add(2)
+	b := n.reg.table.Load().lookupName("svc")[1]
+	b.conns().Add(1)
+
+	advertise(t, n.reg, a, svc, &tunnelpb.Route{Name: "other", Target: "tcp://127.0.0.1:9"})
+	now := a.routes[0]
+	if now == old {
+		t.Fatal("the repeated Advertise kept the entry; the test needs a new one")
+	}
+	if got := now.conns().Load(); got != 2 {
+		t.Fatalf("the new entry counts %d connections, want the 2 open on the old one", got)
+	}
+	lc := mustPolicy(t, LBLeastConn)
+	if e := n.resolveTCP(TCPTarget{Route: "svc", LB: lc}); e == nil || e.agent.agentID != "b" {
+		t.Fatalf("least_conn chose %v, want b (1 open against a's 2)", e)
+	}
+	// The old connections end on the old entry: the route's count drops.
+	old.conns().Add(-2)
+	if got := now.conns().Load(); got != 0 {
+		t.Fatalf("after the old connections ended: %d, want 0", got)
+	}
+	if e := n.resolveTCP(TCPTarget{Route: "svc", LB: lc}); e == nil || e.agent.agentID != "a" {
+		t.Fatalf("least_conn chose %v, want a (0 open against b's 1)", e)
 	}
 }

@@ -309,6 +309,28 @@ func (n *node) connectionsOpen() int {
 	return total
 }
 
+// Bounds of the reconnect spread a draining node asks of its agents
+// (reconnectSpread).
+const (
+	reconnectSpreadPerSession = 2 * time.Millisecond
+	reconnectSpreadMin        = time.Second
+	reconnectSpreadMax        = time.Minute
+)
+
+// reconnectSpread is the Drain's reconnect_spread_ms for a node draining
+// sessions sessions: the window over which its agents draw their first
+// reconnect attempt, 2 ms per session, at least 1 s and at most 60 s
+// (10,000 sessions: 20 s). Drained agents otherwise all come back within
+// about a second, to this node restarted or to the others, and a node
+// admits on the order of a thousand sessions a second on a small machine:
+// 10,000 at once kept a new node's probes waiting 5 s (issue 25). Spread,
+// they arrive at some 500 a second and the node stays responsive; a node
+// with a few agents keeps today's ~1 s (1 s is the agent's own backoff,
+// so a spread of 1 s changes nothing for them).
+func reconnectSpread(sessions int) time.Duration {
+	return min(max(time.Duration(sessions)*reconnectSpreadPerSession, reconnectSpreadMin), reconnectSpreadMax)
+}
+
 // drain stops new tunnel streams and port connections, tells the agents,
 // and waits (up to drain_grace) for open virtual connections to finish.
 func (n *node) drain() {
@@ -321,9 +343,11 @@ func (n *node) drain() {
 	n.udp.ports.closeAll()
 	n.closeIdleConns() // idle pooled connections are not in flight: do not wait for them
 	grace := n.opts.Load().drainGrace
+	spread := reconnectSpread(len(sessions))
 	for _, a := range sessions {
 		a.sess.SendControl(&tunnelpb.Frame{Kind: &tunnelpb.Frame_Drain{Drain: &tunnelpb.Drain{
 			GraceMs: uint32(grace / time.Millisecond), Reason: "node shutting down",
+			ReconnectSpreadMs: uint32(spread / time.Millisecond),
 		}}})
 	}
 	deadline := time.Now().Add(grace)

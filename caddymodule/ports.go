@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	tunnelpb "github.com/sluice-tunnel/sluice/proto"
 )
 
 // portRange is a set of ports agents may claim: one or more inclusive
@@ -227,7 +229,7 @@ func (m *portManager) claim(e *routeEntry, opts *nodeOptions) error {
 		// claimants: a standby stays one, to take over when the owner
 		// leaves.
 		if o := c.owner(); o != nil && compareAgents(o.agent, e.agent) < 0 && !c.claimedBy(e.agent) {
-			return fmt.Errorf("port %d is held by agent %s", port, o.agent.agentID)
+			return errors.New(tunnelpb.PortHeldReason(port, o.agent.agentID))
 		}
 		c.claimants = append(c.claimants, e)
 		return nil

@@ -124,9 +124,24 @@ type routeEntry struct {
 	// placeholders (setServedBy).
 	nameValue any
 	// active counts the TCP relays and datagram flows open on the route
-	// (layer4 lb_policy least_conn, lbpolicy.go). A repeated Advertise's
-	// entries start at zero: the old entries' relays count on those.
+	// (layer4 lb_policy least_conn, lbpolicy.go); read and change it
+	// through conns.
 	active atomic.Int64
+	// activeOn, when set, is the counter of the entry this one replaced
+	// for the same route on a repeated Advertise (bind): the relays
+	// opened on the old entry end on it, so the route's count must stay
+	// that one, or a re-advertising agent (its rejected routes retried)
+	// would look idle to least_conn while its connections run.
+	activeOn *atomic.Int64
+}
+
+// conns is the counter of the connections open on e's route (see
+// routeEntry.active).
+func (e *routeEntry) conns() *atomic.Int64 {
+	if e.activeOn != nil {
+		return e.activeOn
+	}
+	return &e.active
 }
 
 // allows reports whether a client address (host:port or host) may use the
@@ -320,7 +335,8 @@ func routeName(rt *tunnelpb.Route) string {
 // bind ties entries to their session and names each with a dial address.
 // An entry whose route equals one of previous (the session's routes before
 // a repeated Advertise) keeps that route's address, so the transports'
-// pooled connections to it stay usable; the others get addresses of a
+// pooled connections to it stay usable, and its connection count (conns,
+// for least_conn); the others get addresses of a
 // fresh generation. It runs before the entries are published anywhere
 // (port claims, the route table), which then only read them.
 //
@@ -343,7 +359,7 @@ func (r *registry) bind(a *agentSession, entries, previous []*routeEntry) (kept 
 		e.agent = a
 		k := routeBytes(e.route)
 		if same := unused[k]; len(same) > 0 {
-			e.dial = same[0].dial
+			e.dial, e.activeOn = same[0].dial, same[0].conns()
 			unused[k] = same[1:]
 			continue
 		}
@@ -711,7 +727,10 @@ func (t *routeTable) lookupHTTP(host string) []*routeEntry {
 
 // lookupSNI returns the TCP routes for a TLS server name: the exact host
 // routes, ordered by agent id, else the first pattern route that matches
-// (by agent id): its callers (resolveTCP) take the first route alone.
+// (by agent id). The pattern lookup stops at that first match because
+// lb_policy first (the default) needs no other; a spreading policy widens
+// it to every agent's route of the same pattern (sniPeers, from
+// resolveTCP), which costs a map lookup rather than another pattern walk.
 // A name that is not a valid host name (RFC 6066 allows no other, and a
 // ClientHello may carry up to 64 KiB of anything) matches no pattern, so
 // a pattern never runs on more than hostKeyMax bytes.

@@ -67,8 +67,10 @@ type StreamPolicy struct {
 	// never cut by it, and stream_max_request_time and
 	// stream_idle_timeout bound it from then on. Exchanges that are
 	// streams from the start (stream_path_prefixes: long polls that may
-	// hold their head back) are exempt; their bound is
-	// stream_max_request_time. An Accept match is provisional, so an
+	// hold their head back) and gRPC calls (Content-Type
+	// application/grpc*: a server-streaming call may send its head with
+	// its first message, and the call has its own grpc-timeout) are
+	// exempt; their bound is stream_max_request_time. An Accept match is provisional, so an
 	// event stream asked for by Accept has this long to send its head.
 	ResponseHeaderTimeout *caddy.Duration `json:"response_header_timeout,omitempty"`
 
@@ -91,6 +93,28 @@ func (p *StreamPolicy) responseHeaderTimeout() time.Duration {
 		return DefaultResponseHeaderTimeout
 	}
 	return time.Duration(*p.ResponseHeaderTimeout)
+}
+
+// headWaitFor is the response_header_timeout of r, an exchange that is
+// not a stream from the start: none for a gRPC call (any application/grpc
+// content type, gRPC-Web's included). A server-streaming call may hold its
+// head back until its first message, as a long poll does (grpc-go sends
+// it with the first message), so the default would cut a quiet watch
+// after a minute; a gRPC call carries its own deadline (grpc-timeout),
+// and stream_max_request_time still bounds it.
+func headWaitFor(r *http.Request, p *StreamPolicy) time.Duration {
+	if isGRPC(r) {
+		return 0
+	}
+	return p.responseHeaderTimeout()
+}
+
+// isGRPC reports whether r is a gRPC (or gRPC-Web) call, by its
+// Content-Type.
+func isGRPC(r *http.Request) bool {
+	const grpc = "application/grpc"
+	ct := r.Header.Get("Content-Type")
+	return len(ct) >= len(grpc) && strings.EqualFold(ct[:len(grpc)], grpc)
 }
 
 func (p *StreamPolicy) responseTypes() []string {
@@ -402,7 +426,7 @@ func (h *Handler) serveWithPolicy(w http.ResponseWriter, r *http.Request, next f
 			x.expected = classAccept
 		}
 		x.armLocked(time.Duration(p.MaxRequestTime))
-		x.headWait = p.responseHeaderTimeout()
+		x.headWait = headWaitFor(r, p)
 		x.armHeadLocked() // x is not shared yet
 	}
 	defer x.stop()

@@ -149,3 +149,28 @@ func TestHeadTimer(t *testing.T) {
 		}
 	})
 }
+
+// TestHeadWaitForGRPC: a gRPC call (any application/grpc content type) has
+// no response_header_timeout, since a server-streaming call may send its
+// head with its first message; every other exchange has the policy's.
+func TestHeadWaitForGRPC(t *testing.T) {
+	p := &StreamPolicy{ResponseHeaderTimeout: new(caddy.Duration(5 * time.Second))}
+	for ct, want := range map[string]time.Duration{
+		"":                            5 * time.Second,
+		"application/json":            5 * time.Second,
+		"application/gr":              5 * time.Second,
+		"application/grpc":            0,
+		"application/grpc+proto":      0,
+		"Application/GRPC-web+proto":  0,
+		"application/grpc; charset=x": 0,
+		"text/event-stream":           5 * time.Second,
+	} {
+		r, _ := http.NewRequest("POST", "http://app.test/", nil)
+		if ct != "" {
+			r.Header.Set("Content-Type", ct)
+		}
+		if got := headWaitFor(r, p); got != want {
+			t.Errorf("Content-Type %q: %v, want %v", ct, got, want)
+		}
+	}
+}

@@ -113,8 +113,8 @@ func (n *node) relayTCPAgain(client net.Conn, e *routeEntry, serverName string, 
 func (n *node) relayTCP(client net.Conn, e *routeEntry, x *tcpAccess) error {
 	// Counted before the open, not after: connections arriving together
 	// then spread under least_conn instead of all seeing the same counts.
-	e.active.Add(1)
-	defer e.active.Add(-1)
+	e.conns().Add(1)
+	defer e.conns().Add(-1)
 	// The connection's peer: layer4's proxy_protocol handler (with its
 	// allow list) replaces it with the PROXY header's source.
 	if !e.allows(client.RemoteAddr().String()) {

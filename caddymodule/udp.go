@@ -196,8 +196,9 @@ func (n *node) openFlow(e *routeEntry, client, local string) (*tunnelcore.Conn, 
 		return nil, nil, ErrLimit
 	}
 	// The flow counts on its route (lb_policy least_conn) until release.
-	e.active.Add(1)
-	release := func() { e.active.Add(-1); releaseAddr(); releaseNode() }
+	active := e.conns()
+	active.Add(1)
+	release := func() { active.Add(-1); releaseAddr(); releaseNode() }
 	f, err := n.openFlowOn(e.agent, tunnelcore.ConnectInfo{RouteKey: name, RemoteAddr: client, LocalAddr: local, Datagram: true})
 	if err != nil {
 		release()

@@ -163,3 +163,56 @@ func TestAgentVersionCommand(t *testing.T) {
 		t.Fatalf("-version: %s", r2)
 	}
 }
+
+// TestAgentCheckBesideRunningPortOwner: a check run beside the agent of
+// its configured id, which holds a listen port of the configuration, is
+// refused that port only because that agent holds it (the check
+// advertises under an id of its own, which sorts after it): the check
+// reports it as held by the running agent and passes, while a port held by
+// an agent of another id stays a rejection.
+func TestAgentCheckBesideRunningPortOwner(t *testing.T) {
+	port, otherPort := freePort(t), freePort(t)
+	lo, hi := min(port, otherPort), max(port, otherPort)
+	c := startCaddyWith(t, caddyOptions{Sluice: fmt.Sprintf("tcp_port_range %d %d", lo, hi)}, `http://app.test {
+	sluice
+}`)
+	route := agent.Upstream{ListenPort: port, Target: "tcp://127.0.0.1:1"}
+	startAgent(t, c.serverURL(), "agent-main", route)
+	startAgent(t, c.serverURL(), "agent-0ther", agent.Upstream{ListenPort: otherPort, Target: "tcp://127.0.0.1:1"})
+
+	check := func(t *testing.T, routes ...agent.Upstream) agent.CheckResult {
+		t.Helper()
+		cfg := &agent.Config{Server: c.serverURL(), Token: testToken, ID: "agent-main", Upstreams: routes}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		res, err := agent.Check(ctx, cfg, nil)
+		if err != nil {
+			t.Fatalf("Check: %v", err)
+		}
+		if len(res.Nodes) != 1 {
+			t.Fatalf("%d nodes checked, want 1", len(res.Nodes))
+		}
+		return res
+	}
+
+	t.Run("port of the running agent of this id", func(t *testing.T) {
+		res := check(t, route)
+		if err := res.Err(); err != nil {
+			t.Fatalf("check beside the port's owner of the same id: %v", err)
+		}
+		n := res.Nodes[0]
+		if len(n.HeldByAgent) != 1 || n.HeldByAgent[0].ListenPort != port || len(n.Rejected) != 0 {
+			t.Fatalf("held %+v, rejected %+v; want port %d held by the running agent", n.HeldByAgent, n.Rejected, port)
+		}
+	})
+
+	t.Run("port of an agent of another id", func(t *testing.T) {
+		res := check(t, agent.Upstream{ListenPort: otherPort, Target: "tcp://127.0.0.1:1"})
+		if err := res.Err(); !errors.Is(err, agent.ErrCheckRejected) {
+			t.Fatalf("check of a port another agent holds: %v, want ErrCheckRejected", err)
+		}
+		if n := res.Nodes[0]; len(n.HeldByAgent) != 0 || len(n.Rejected) != 1 {
+			t.Fatalf("held %+v, rejected %+v; want one rejection", n.HeldByAgent, n.Rejected)
+		}
+	})
+}

@@ -119,8 +119,8 @@ func startDeadlineApp(t testing.TB, release <-chan struct{}) string {
 // answered 504 once response_header_timeout passes, over HTTP/1.1 and h2c
 // to the upstream, and its connection is closed; a slow answer under the
 // deadline, an event stream longer than it, a long poll of a
-// stream_path_prefixes path and an upload that waits on the client longer
-// than it are not cut.
+// stream_path_prefixes path, a gRPC call whose head comes after it and an
+// upload that waits on the client longer than it are not cut.
 func TestResponseHeaderTimeout(t *testing.T) {
 	c := startCaddy(t, deadlineSites)
 	hung, hungH2C := startHungUpstream(t), startHungUpstream(t)
@@ -178,6 +178,24 @@ func TestResponseHeaderTimeout(t *testing.T) {
 		delay := 2 * headDeadline
 		if code, body := deadlineGet(t, client, c, "app.test", "/poll?delay="+delay.String()); code != 200 || body != "poll answer\n" {
 			t.Fatalf("%d %q, want 200: stream_path_prefixes are exempt", code, body)
+		}
+	})
+
+	t.Run("gRPC call holding its head back", func(t *testing.T) {
+		// A server-streaming gRPC call may send its head with its
+		// first message, long after the deadline: gRPC calls are
+		// exempt (they carry grpc-timeout).
+		req, _ := http.NewRequest("POST", c.url("/slow?delay="+(2*headDeadline).String()), strings.NewReader("\x00\x00\x00\x00\x00"))
+		req.Host = "app.test"
+		req.Header.Set("Content-Type", "application/grpc+proto")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("POST: %v", err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != 200 || string(b) != "slow answer\n" {
+			t.Fatalf("%d %q, want 200: a gRPC call is not cut by response_header_timeout", resp.StatusCode, b)
 		}
 	})
 

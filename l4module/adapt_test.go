@@ -45,7 +45,8 @@ func TestCaddyfileExampleAdapts(t *testing.T) {
 	for _, w := range warnings {
 		t.Errorf("Caddyfile.example warning: %s:%d: %s", w.File, w.Line, w.Message)
 	}
-	for _, want := range []string{`"sluice"`, `"layer4"`, `"tcp_port_range":"16000-16999"`} {
+	for _, want := range []string{`"sluice"`, `"layer4"`, `"tcp_port_range":"16000-16999,17000,17100-17199"`,
+		`"lb_policy":"least_conn"`, `"response_header_timeout":30000000000`} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("adapted Caddyfile.example lacks %s", want)
 		}

@@ -1227,11 +1227,18 @@ func (x *MembershipUpdate) GetNodes() []*Node {
 // node withdraws its routes, answers with an AdvertiseAck listing none, and
 // ends the session once no connection is open on it (proto/README.md §13).
 type Drain struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	GraceMs       uint32                 `protobuf:"varint,1,opt,name=grace_ms,json=graceMs,proto3" json:"grace_ms,omitempty"`
-	Reason        string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	GraceMs uint32                 `protobuf:"varint,1,opt,name=grace_ms,json=graceMs,proto3" json:"grace_ms,omitempty"`
+	Reason  string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	// From the node: the agent draws its first reconnect attempt after the
+	// session ends uniformly from [0.5 s, reconnect_spread_ms], so that the
+	// agents of a node that restarts do not all come back within a second;
+	// 0 or below 1000 (1 s): the agent reconnects with its backoff, as
+	// without this field. Sluice's node sends 2 ms per session it drains,
+	// at least 1 s and at most 60 s. Ignored from the agent.
+	ReconnectSpreadMs uint32 `protobuf:"varint,3,opt,name=reconnect_spread_ms,json=reconnectSpreadMs,proto3" json:"reconnect_spread_ms,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *Drain) Reset() {
@@ -1276,6 +1283,13 @@ func (x *Drain) GetReason() string {
 		return x.Reason
 	}
 	return ""
+}
+
+func (x *Drain) GetReconnectSpreadMs() uint32 {
+	if x != nil {
+		return x.ReconnectSpreadMs
+	}
+	return 0
 }
 
 type ListNodesRequest struct {
@@ -1510,10 +1524,11 @@ const file_tunnel_proto_rawDesc = "" +
 	"\rreclaim_above\x18\x04 \x01(\rR\freclaimAbove\x12\x1a\n" +
 	"\breleased\x18\x05 \x01(\rR\breleased\"@\n" +
 	"\x10MembershipUpdate\x12,\n" +
-	"\x05nodes\x18\x01 \x03(\v2\x16.sluice.tunnel.v1.NodeR\x05nodes\":\n" +
+	"\x05nodes\x18\x01 \x03(\v2\x16.sluice.tunnel.v1.NodeR\x05nodes\"j\n" +
 	"\x05Drain\x12\x19\n" +
 	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\x12\x16\n" +
-	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x12\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\x12.\n" +
+	"\x13reconnect_spread_ms\x18\x03 \x01(\rR\x11reconnectSpreadMs\"\x12\n" +
 	"\x10ListNodesRequest\"8\n" +
 	"\bNodeList\x12,\n" +
 	"\x05nodes\x18\x01 \x03(\v2\x16.sluice.tunnel.v1.NodeR\x05nodes\"(\n" +

@@ -149,6 +149,9 @@ func writeCheckReport(w io.Writer, res agent.CheckResult) {
 			}
 			fmt.Fprintf(w, "  rejected  %s: %s\n", name, rj.Reason)
 		}
+		for _, h := range n.HeldByAgent {
+			fmt.Fprintf(w, "  held      %s: %s (the running agent of this id serves it)\n", h.Name, h.Reason)
+		}
 		for _, o := range n.Overlaps {
 			shadowed := ""
 			if o.Shadowed {
