@@ -188,9 +188,12 @@ grpc() {
 	R[grpc_rps,$p]=$(jq -r '.rps | floor' "$f")
 	R[grpc_p50,$p]=$(jq -r '[.latencyDistribution[] | select(.percentage == 50)][0].latency / 1e6 | . * 100 | round / 100' "$f")
 	# ghz closes its connections at the end of -z under the calls in flight
-	# ("use of closed network connection"): those are not failures.
+	# ("use of closed network connection", "the client connection is
+	# closing"): those are not failures.
 	local bad
-	bad=$(jq -r '[(.errorDistribution // {}) | to_entries[] | select(.key | contains("use of closed network connection") | not) | .value] | add // 0' "$f")
+	bad=$(jq -r '[(.errorDistribution // {}) | to_entries[]
+		| select(.key | (contains("use of closed network connection") or contains("the client connection is closing")) | not)
+		| .value] | add // 0' "$f")
 	[ "$bad" = 0 ] || warn "$p: ghz: $bad calls failed: $(jq -c '.errorDistribution' "$f" | head -c 300)"
 }
 

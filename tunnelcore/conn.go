@@ -180,7 +180,7 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 		ended:       make(chan struct{}),
 		rdl:         makeDeadline(),
 		wdl:         makeDeadline(),
-		rwin:        newRecvWindow(InitialWindow),
+		rwin:        newSessionRecvWindow(InitialWindow, &s.minRTT),
 		credit:      credit,
 	}
 	c.rwin.lastConsume = now

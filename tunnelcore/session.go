@@ -31,6 +31,7 @@ type Session struct {
 	accept chan *Conn
 
 	buffered atomic.Int64 // bytes received and not yet read, all connections
+	minRTT   atomic.Int64 // ns: the smallest round trip a connection's window measured (recvWindow.sessionRTT)
 	spliced  atomic.Int64 // DATA bytes sent by splice (Stats.Spliced)
 	direct   atomic.Int64 // connections given a direct socket (Stats.Direct)
 
@@ -102,11 +103,13 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	}
 	c := newConn(s, id, info, int64(s.cfg.PeerWindow))
 	c.slot = true
-	window := uint32(InitialWindow)
+	var window uint32
 	if info.Datagram {
 		// No credit either way; window 0 makes a peer that predates
 		// flows refuse the Connect instead of taking it for a stream.
 		c.flow, c.credit, window = newFlowState(s), 0, 0
+	} else {
+		window = uint32(c.rwin.openWindow(s.cfg.Budget, s.windowLimits))
 	}
 	s.mu.Lock()
 	if s.isDone() {

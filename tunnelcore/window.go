@@ -1,6 +1,9 @@
 package tunnelcore
 
-import "time"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // recvWindow is the receiving end of one direction of a connection: it
 // decides how much credit the peer holds, as HTTP/2 stream windows do, but
@@ -25,6 +28,10 @@ type recvWindow struct {
 	probeAt   time.Time     // when the probing grant was made (zero: no probe out)
 	probeMark int64         // granted before that grant
 	minRTT    time.Duration // smallest grant-to-data time measured (0: none yet)
+	// sessionRTT is the session's smallest measured round trip (ns), which
+	// a new connection starts from and every probe lowers: a connection
+	// opened on a long path grows at once rather than after measuring it.
+	sessionRTT *atomic.Int64
 
 	// Reclaiming the credit of an idle reader (Session.reclaimIdle).
 	lastConsume    time.Time // when the reader last took bytes
@@ -36,11 +43,23 @@ func newRecvWindow(initial int64) recvWindow {
 	return recvWindow{size: initial, granted: initial}
 }
 
+// newSessionRecvWindow is newRecvWindow for a connection of a session
+// whose smallest measured round trip is sessionRTT (ns, 0: none yet).
+func newSessionRecvWindow(initial int64, sessionRTT *atomic.Int64) recvWindow {
+	w := newRecvWindow(initial)
+	w.sessionRTT = sessionRTT
+	w.minRTT = time.Duration(sessionRTT.Load())
+	return w
+}
+
 // receive accounts n bytes that arrived and reports false when they exceed
 // the credit the peer held.
 func (w *recvWindow) receive(n int64) bool {
 	if w.received+n > w.granted {
 		return false
+	}
+	if w.received == 0 {
+		w.lastDecision = time.Now() // the first decision measures from the first byte
 	}
 	w.rttProbe(n)
 	w.received += n
@@ -52,6 +71,26 @@ func (w *recvWindow) receive(n int64) bool {
 type windowLimits struct {
 	max    int64 // by doubling alone
 	bdpMax int64 // while the measured bandwidth-delay product asks for more
+}
+
+// openWindowLongPath is the window a connection opens with on a session
+// whose measured round trip is long (openWindow): a request of a few MiB
+// then takes two or three round trips instead of six or seven.
+const openWindowLongPath = 1 << 20
+
+// openWindow returns the receive window a connection opening on its
+// session announces: InitialWindow, or on a session whose round trip is
+// long (a connection's probe measured it) openWindowLongPath within
+// limits.max, when the budget grants it. An idle reader gives the credit
+// back as any grown window does (Session.reclaimIdle).
+func (w *recvWindow) openWindow(budget *Budget, limits windowLimits) int64 {
+	size := min(int64(openWindowLongPath), limits.max)
+	if w.minRTT < longRoundTrip || size <= w.size || !budget.grow(w.charged, size-w.size) {
+		return w.size
+	}
+	w.charged += size - w.size
+	w.size, w.granted = size, size
+	return size
 }
 
 // rttProbe records the round trip a pending probe measured when n more
@@ -66,6 +105,14 @@ func (w *recvWindow) rttProbe(n int64) {
 	rtt := time.Since(w.probeAt)
 	if w.minRTT == 0 || rtt < w.minRTT {
 		w.minRTT = rtt
+		if w.sessionRTT != nil {
+			for {
+				old := w.sessionRTT.Load()
+				if (old != 0 && old <= int64(rtt)) || w.sessionRTT.CompareAndSwap(old, int64(rtt)) {
+					break
+				}
+			}
+		}
 	}
 	w.probeAt = time.Time{}
 }
@@ -111,9 +158,10 @@ func (w *recvWindow) perRTT(now time.Time) int64 {
 // neither applies; over a WAN they let one connection fill the path, as
 // TCP's window scaling does.
 // A window held back by a round trip of at least longRoundTrip grows
-// fourfold per decision instead of doubling: each decision waits for half
+// eightfold per decision instead of doubling: each decision waits for half
 // a window to arrive, about a round trip, so doubling from InitialWindow to
-// the 16 MiB a 100 MB/s path needs at 50 ms would take eight of them.
+// the 16 MiB a 100 MB/s path needs at 50 ms would take eight of them, and
+// a transfer of a few MiB would be over before its window fit the path.
 const (
 	bdpGrowShare  = 3
 	bdpKeepShare  = 6
@@ -135,7 +183,7 @@ func (w *recvWindow) decide(now time.Time, budget *Budget, limits windowLimits) 
 	case w.peerBlocked && w.readerWaited && w.size < ceiling:
 		grow := w.size
 		if windowBound && w.minRTT >= longRoundTrip {
-			grow = 3 * w.size // each decision costs a round trip here
+			grow = 7 * w.size // each decision costs a round trip here
 		}
 		grow = min(grow, ceiling-w.size)
 		if budget.grow(w.charged, grow) {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"io"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -184,7 +185,8 @@ func TestWindowDecisionsPastMaxWindow(t *testing.T) {
 		decisions int
 		want      int64
 	}{
-		{"window limited on a long path: fourfold", 4 * mib, 40 * time.Millisecond, 2 * mib, 40 * time.Millisecond, true, 1, 16 * mib},
+		{"window limited on a long path: eightfold", 4 * mib, 40 * time.Millisecond, 2 * mib, 40 * time.Millisecond, true, 1, 32 * mib},
+		{"eightfold within bdpMax", 8 * mib, 40 * time.Millisecond, 4 * mib, 40 * time.Millisecond, true, 1, 32 * mib},
 		{"window limited on a short path: doubles", 4 * mib, 500 * time.Microsecond, 2 * mib, 300 * time.Microsecond, true, 1, 8 * mib},
 		{"grows up to bdpMax", 32 * mib, 10 * time.Millisecond, 16 * mib, 10 * time.Millisecond, true, 1, 32 * mib},
 		{"one host stays", 4 * mib, 100 * time.Microsecond, 2 * mib, 2 * time.Millisecond, true, 1, 4 * mib},
@@ -206,5 +208,66 @@ func TestWindowDecisionsPastMaxWindow(t *testing.T) {
 		if w.size != tc.want {
 			t.Errorf("%s: window %d MiB, want %d MiB", tc.name, w.size/mib, tc.want/mib)
 		}
+	}
+}
+
+// A connection starts from the round trip its session measured, and its
+// own probes lower the session's: a connection opened on a long path grows
+// eightfold from its first decision.
+func TestWindowSessionRoundTrip(t *testing.T) {
+	var session atomic.Int64
+	first := newSessionRecvWindow(InitialWindow, &session)
+	if first.minRTT != 0 {
+		t.Fatalf("first connection starts from %v, want nothing measured", first.minRTT)
+	}
+	first.receive(InitialWindow)
+	first.consume(InitialWindow, time.Now().Add(-40*time.Millisecond), NewBudget(0), windowLimits{max: InitialWindow, bdpMax: InitialWindow})
+	first.receive(1)
+	if got := time.Duration(session.Load()); got < 40*time.Millisecond {
+		t.Fatalf("session round trip %v after a 40 ms probe", got)
+	}
+	second := newSessionRecvWindow(InitialWindow, &session)
+	if second.minRTT != time.Duration(session.Load()) {
+		t.Fatalf("second connection starts from %v, want the session's %v", second.minRTT, time.Duration(session.Load()))
+	}
+	// Its first decision, window bound: 32 KiB taken in 10 ms at a 40 ms
+	// round trip needs far more than 64 KiB.
+	budget := NewBudget(1 << 30)
+	second.receive(InitialWindow / 2)
+	second.lastDecision = time.Now().Add(-10 * time.Millisecond)
+	second.peerBlocked, second.readerWaited = true, true
+	second.consume(InitialWindow/2, time.Now(), budget, windowLimits{max: DefaultMaxWindow, bdpMax: DefaultMaxBDPWindow})
+	if second.size != 8*InitialWindow {
+		t.Fatalf("window after the first decision %d, want %d (eightfold)", second.size, 8*InitialWindow)
+	}
+}
+
+// A connection opening on a session with a long measured round trip
+// announces a larger window, charged to the budget; on a short one, or
+// without a budget, InitialWindow.
+func TestWindowOpenOnALongPath(t *testing.T) {
+	limits := windowLimits{max: DefaultMaxWindow, bdpMax: DefaultMaxBDPWindow}
+	var session atomic.Int64
+	w := newSessionRecvWindow(InitialWindow, &session)
+	if got := w.openWindow(NewBudget(64<<20), limits); got != InitialWindow {
+		t.Fatalf("nothing measured: opens with %d, want %d", got, InitialWindow)
+	}
+	session.Store(int64(200 * time.Microsecond))
+	w = newSessionRecvWindow(InitialWindow, &session)
+	if got := w.openWindow(NewBudget(64<<20), limits); got != InitialWindow {
+		t.Fatalf("short path: opens with %d, want %d", got, InitialWindow)
+	}
+	session.Store(int64(40 * time.Millisecond))
+	w = newSessionRecvWindow(InitialWindow, &session)
+	budget := NewBudget(64 << 20)
+	if got := w.openWindow(budget, limits); got != openWindowLongPath || budget.InUse() != openWindowLongPath-InitialWindow {
+		t.Fatalf("long path: opens with %d charging %d, want %d charging %d", got, budget.InUse(), openWindowLongPath, openWindowLongPath-InitialWindow)
+	}
+	if !w.receive(openWindowLongPath) || w.receive(1) {
+		t.Fatal("the opening window is not the credit the peer holds")
+	}
+	w = newSessionRecvWindow(InitialWindow, &session)
+	if got := w.openWindow(NewBudget(0), limits); got != InitialWindow {
+		t.Fatalf("no budget: opens with %d, want %d", got, InitialWindow)
 	}
 }
