@@ -133,8 +133,12 @@ func (h *handshake) admit() error {
 		n.logStream("agent stream refused", h.remote, err)
 		return err
 	}
+	offered := time.Now()
 	lanes, directKey, withdrawLane := n.offerLane(h.stream)
 	op, err := n.readAdvertise(h.stream, lanes)
+	if op.lane != nil {
+		op.laneAfter = op.laneAt.Sub(offered)
+	}
 	withdrawLane()
 	releasePending()
 	if err != nil {
@@ -248,6 +252,7 @@ func (h *handshake) negotiate() error {
 	}
 	if h.op.lane != nil {
 		h.sessionRan = true
+		sess.SeedRoundTrip(h.op.laneAfter)
 		go endWithGRPCStream(sess, h.op.grpcRecv)
 		if h.directKey != "" {
 			n.direct.register(h.directKey, sess)
@@ -394,6 +399,12 @@ type opening struct {
 	lane     net.Conn
 	frames   tunnelcore.LaneStream // the lane's
 	grpcRecv <-chan recvResult
+	// laneAt is when the lane attached; laneAfter how long after the
+	// offer went out, at least one round trip to the agent (the offer's
+	// way there, the lane's hello back): the session's first estimate of
+	// its round trip (Session.SeedRoundTrip).
+	laneAt    time.Time
+	laneAfter time.Duration
 }
 
 // readAdvertise waits for the agent's first frame, which must be Advertise:
@@ -417,7 +428,7 @@ func (n *node) readAdvertise(stream grpc.BidiStreamingServer[tunnelpb.Frame, tun
 	select {
 	case r = <-ch:
 	case conn := <-lanes:
-		op = opening{lane: conn, frames: tunnelcore.ConnStream(conn), grpcRecv: ch}
+		op = opening{lane: conn, frames: tunnelcore.ConnStream(conn), grpcRecv: ch, laneAt: time.Now()}
 		r = readLaneAdvertise(conn, op.frames, ch, timer.C, draining)
 	case <-timer.C:
 		r.err = errNoAdvertise

@@ -132,6 +132,19 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 	return c, nil
 }
 
+// SeedRoundTrip gives the session a first estimate of its round trip,
+// measured by its owner before any connection moved bytes (a node: from
+// offering the data lane to the lane's hello, at least one round trip):
+// connections then open and grow as on a path that long until their own
+// probes measure it (recvWindow.rttProbe), which only lowers it. An
+// estimate above what the probes find costs budget for a moment, never
+// throughput; one below the real round trip would, so give an upper bound.
+func (s *Session) SeedRoundTrip(d time.Duration) {
+	if d > 0 {
+		lowerRoundTrip(&s.minRTT, d)
+	}
+}
+
 // acceptBacklog is the channel the peer's connections wait for Accept in;
 // none (nil) when the session refuses them.
 func acceptBacklog(cfg Config) chan *Conn {

@@ -93,6 +93,16 @@ func (w *recvWindow) openWindow(budget *Budget, limits windowLimits) int64 {
 	return size
 }
 
+// lowerRoundTrip stores d (ns) in rtt if rtt holds none yet or a longer one.
+func lowerRoundTrip(rtt *atomic.Int64, d time.Duration) {
+	for {
+		old := rtt.Load()
+		if (old != 0 && old <= int64(d)) || rtt.CompareAndSwap(old, int64(d)) {
+			return
+		}
+	}
+}
+
 // rttProbe records the round trip a pending probe measured when n more
 // bytes arrive. The first byte past probeMark
 // could only be sent once the probing grant reached the writer, so the time
@@ -106,12 +116,7 @@ func (w *recvWindow) rttProbe(n int64) {
 	if w.minRTT == 0 || rtt < w.minRTT {
 		w.minRTT = rtt
 		if w.sessionRTT != nil {
-			for {
-				old := w.sessionRTT.Load()
-				if (old != 0 && old <= int64(rtt)) || w.sessionRTT.CompareAndSwap(old, int64(rtt)) {
-					break
-				}
-			}
+			lowerRoundTrip(w.sessionRTT, rtt)
 		}
 	}
 	w.probeAt = time.Time{}

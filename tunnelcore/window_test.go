@@ -271,3 +271,32 @@ func TestWindowOpenOnALongPath(t *testing.T) {
 		t.Fatalf("no budget: opens with %d, want %d", got, InitialWindow)
 	}
 }
+
+// SeedRoundTrip gives new connections a round trip before any probe, and
+// probes only lower it.
+func TestSeedRoundTrip(t *testing.T) {
+	node, _ := sessionPair(t, transports[0], Config{}, Config{})
+	node.SeedRoundTrip(0)
+	if node.minRTT.Load() != 0 {
+		t.Fatal("a zero seed was kept")
+	}
+	node.SeedRoundTrip(80 * time.Millisecond)
+	node.SeedRoundTrip(120 * time.Millisecond) // longer: ignored
+	if got := time.Duration(node.minRTT.Load()); got != 80*time.Millisecond {
+		t.Fatalf("session round trip %v, want 80ms", got)
+	}
+	c, err := node.Open(ConnectInfo{RouteKey: "x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	size := c.rwin.size
+	c.mu.Unlock()
+	if size != openWindowLongPath {
+		t.Fatalf("a connection opened on a seeded long path has window %d, want %d", size, openWindowLongPath)
+	}
+	lowerRoundTrip(&node.minRTT, 30*time.Millisecond)
+	if got := time.Duration(node.minRTT.Load()); got != 30*time.Millisecond {
+		t.Fatalf("a probe did not lower the seed: %v", got)
+	}
+}
