@@ -37,8 +37,8 @@ ROOT=$PWD
 
 GHZ=${GHZ:-$(command -v ghz || echo "$(go env GOPATH)/bin/ghz")}
 [ -x "$GHZ" ] || { log "ghz is required (go install github.com/bojand/ghz/cmd/ghz@v0.120.0)"; exit 1; }
-for tool in redis-server redis-benchmark; do
-	command -v "$tool" >/dev/null 2>&1 || { log "$tool is required (Debian: redis-server, redis-tools)"; exit 1; }
+for tool in redis-server redis-benchmark jq; do
+	command -v "$tool" >/dev/null 2>&1 || { log "$tool is required (Debian: redis-server, redis-tools, jq)"; exit 1; }
 done
 LOAD_SECS=${WRK_DURATION%s}
 CONNS=${BENCH_CONNS:-32} # ghz and redis-benchmark clients; wrk uses 64 (lib.sh)

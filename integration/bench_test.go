@@ -66,6 +66,7 @@ func TestBenchScriptsRun(t *testing.T) {
 				needGoTool(t, "ghz")
 				needCommand(t, "redis-server")
 				needCommand(t, "redis-benchmark")
+				needCommand(t, "jq")
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 			defer cancel()
