@@ -180,7 +180,7 @@ func newConn(s *Session, id uint64, info ConnectInfo, credit int64) *Conn {
 		ended:       make(chan struct{}),
 		rdl:         makeDeadline(),
 		wdl:         makeDeadline(),
-		rwin:        newSessionRecvWindow(InitialWindow, &s.minRTT),
+		rwin:        newSessionRecvWindow(InitialWindow, &s.minRTT, time.Duration(s.seedRTT.Load())),
 		credit:      credit,
 	}
 	c.rwin.lastConsume = now

@@ -32,6 +32,7 @@ type Session struct {
 
 	buffered atomic.Int64 // bytes received and not yet read, all connections
 	minRTT   atomic.Int64 // ns: the smallest round trip a connection's window measured (recvWindow.sessionRTT)
+	seedRTT  atomic.Int64 // ns: the owner's estimate before any was measured (SeedRoundTrip)
 	spliced  atomic.Int64 // DATA bytes sent by splice (Stats.Spliced)
 	direct   atomic.Int64 // connections given a direct socket (Stats.Direct)
 
@@ -109,7 +110,7 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 		// flows refuse the Connect instead of taking it for a stream.
 		c.flow, c.credit, window = newFlowState(s), 0, 0
 	} else {
-		window = uint32(c.rwin.openWindow(s.cfg.Budget, s.windowLimits))
+		window = uint32(c.rwin.openWindow(time.Duration(s.minRTT.Load()), s.cfg.Budget, s.windowLimits))
 	}
 	s.mu.Lock()
 	if s.isDone() {
@@ -134,14 +135,15 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 
 // SeedRoundTrip gives the session a first estimate of its round trip,
 // measured by its owner before any connection moved bytes (a node: from
-// offering the data lane to the lane's hello, at least one round trip):
-// connections then open and grow as on a path that long until their own
-// probes measure it (recvWindow.rttProbe), which only lowers it. An
-// estimate above what the probes find costs budget for a moment, never
-// throughput; one below the real round trip would, so give an upper bound.
+// offering the data lane to the lane's hello, at least one round trip).
+// Until a connection's probe measures the round trip, windows grow as on
+// a path that long (eightfold per decision past a millisecond); they still
+// open at InitialWindow, since an estimate that includes the agent's own
+// delays can make a busy host look far away. Give an upper bound: one
+// below the real round trip would hold windows back.
 func (s *Session) SeedRoundTrip(d time.Duration) {
 	if d > 0 {
-		lowerRoundTrip(&s.minRTT, d)
+		lowerRoundTrip(&s.seedRTT, d)
 	}
 }
 

@@ -44,11 +44,15 @@ func newRecvWindow(initial int64) recvWindow {
 }
 
 // newSessionRecvWindow is newRecvWindow for a connection of a session
-// whose smallest measured round trip is sessionRTT (ns, 0: none yet).
-func newSessionRecvWindow(initial int64, sessionRTT *atomic.Int64) recvWindow {
+// whose smallest measured round trip is sessionRTT (ns, 0: none yet), or
+// failing that whose owner estimated seed (0: none).
+func newSessionRecvWindow(initial int64, sessionRTT *atomic.Int64, seed time.Duration) recvWindow {
 	w := newRecvWindow(initial)
 	w.sessionRTT = sessionRTT
 	w.minRTT = time.Duration(sessionRTT.Load())
+	if w.minRTT == 0 {
+		w.minRTT = seed
+	}
 	return w
 }
 
@@ -79,13 +83,14 @@ type windowLimits struct {
 const openWindowLongPath = 1 << 20
 
 // openWindow returns the receive window a connection opening on its
-// session announces: InitialWindow, or on a session whose round trip is
-// long (a connection's probe measured it) openWindowLongPath within
-// limits.max, when the budget grants it. An idle reader gives the credit
-// back as any grown window does (Session.reclaimIdle).
-func (w *recvWindow) openWindow(budget *Budget, limits windowLimits) int64 {
+// session announces: InitialWindow, or on a session whose connections
+// measured a long round trip (measured, not estimated: see SeedRoundTrip)
+// openWindowLongPath within limits.max, when the budget grants it. An idle
+// reader gives the credit back as any grown window does
+// (Session.reclaimIdle).
+func (w *recvWindow) openWindow(measured time.Duration, budget *Budget, limits windowLimits) int64 {
 	size := min(int64(openWindowLongPath), limits.max)
-	if w.minRTT < longRoundTrip || size <= w.size || !budget.grow(w.charged, size-w.size) {
+	if measured < longRoundTrip || size <= w.size || !budget.grow(w.charged, size-w.size) {
 		return w.size
 	}
 	w.charged += size - w.size

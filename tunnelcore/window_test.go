@@ -216,7 +216,7 @@ func TestWindowDecisionsPastMaxWindow(t *testing.T) {
 // eightfold from its first decision.
 func TestWindowSessionRoundTrip(t *testing.T) {
 	var session atomic.Int64
-	first := newSessionRecvWindow(InitialWindow, &session)
+	first := newSessionRecvWindow(InitialWindow, &session, 0)
 	if first.minRTT != 0 {
 		t.Fatalf("first connection starts from %v, want nothing measured", first.minRTT)
 	}
@@ -226,7 +226,7 @@ func TestWindowSessionRoundTrip(t *testing.T) {
 	if got := time.Duration(session.Load()); got < 40*time.Millisecond {
 		t.Fatalf("session round trip %v after a 40 ms probe", got)
 	}
-	second := newSessionRecvWindow(InitialWindow, &session)
+	second := newSessionRecvWindow(InitialWindow, &session, 0)
 	if second.minRTT != time.Duration(session.Load()) {
 		t.Fatalf("second connection starts from %v, want the session's %v", second.minRTT, time.Duration(session.Load()))
 	}
@@ -242,61 +242,62 @@ func TestWindowSessionRoundTrip(t *testing.T) {
 	}
 }
 
-// A connection opening on a session with a long measured round trip
-// announces a larger window, charged to the budget; on a short one, or
-// without a budget, InitialWindow.
+// A connection opening on a session whose connections measured a long
+// round trip announces a larger window, charged to the budget; on a short
+// one, with nothing measured, or without a budget, InitialWindow.
 func TestWindowOpenOnALongPath(t *testing.T) {
 	limits := windowLimits{max: DefaultMaxWindow, bdpMax: DefaultMaxBDPWindow}
 	var session atomic.Int64
-	w := newSessionRecvWindow(InitialWindow, &session)
-	if got := w.openWindow(NewBudget(64<<20), limits); got != InitialWindow {
-		t.Fatalf("nothing measured: opens with %d, want %d", got, InitialWindow)
+	for _, measured := range []time.Duration{0, 200 * time.Microsecond} {
+		w := newSessionRecvWindow(InitialWindow, &session, 0)
+		if got := w.openWindow(measured, NewBudget(64<<20), limits); got != InitialWindow {
+			t.Fatalf("measured %v: opens with %d, want %d", measured, got, InitialWindow)
+		}
 	}
-	session.Store(int64(200 * time.Microsecond))
-	w = newSessionRecvWindow(InitialWindow, &session)
-	if got := w.openWindow(NewBudget(64<<20), limits); got != InitialWindow {
-		t.Fatalf("short path: opens with %d, want %d", got, InitialWindow)
-	}
-	session.Store(int64(40 * time.Millisecond))
-	w = newSessionRecvWindow(InitialWindow, &session)
+	w := newSessionRecvWindow(InitialWindow, &session, 0)
 	budget := NewBudget(64 << 20)
-	if got := w.openWindow(budget, limits); got != openWindowLongPath || budget.InUse() != openWindowLongPath-InitialWindow {
+	if got := w.openWindow(40*time.Millisecond, budget, limits); got != openWindowLongPath || budget.InUse() != openWindowLongPath-InitialWindow {
 		t.Fatalf("long path: opens with %d charging %d, want %d charging %d", got, budget.InUse(), openWindowLongPath, openWindowLongPath-InitialWindow)
 	}
 	if !w.receive(openWindowLongPath) || w.receive(1) {
 		t.Fatal("the opening window is not the credit the peer holds")
 	}
-	w = newSessionRecvWindow(InitialWindow, &session)
-	if got := w.openWindow(NewBudget(0), limits); got != InitialWindow {
+	w = newSessionRecvWindow(InitialWindow, &session, 0)
+	if got := w.openWindow(40*time.Millisecond, NewBudget(0), limits); got != InitialWindow {
 		t.Fatalf("no budget: opens with %d, want %d", got, InitialWindow)
 	}
 }
 
-// SeedRoundTrip gives new connections a round trip before any probe, and
-// probes only lower it.
+// SeedRoundTrip gives new connections a round trip to grow by before any
+// probe (an estimate: they still open at InitialWindow), and a measured
+// one takes its place.
 func TestSeedRoundTrip(t *testing.T) {
 	node, _ := sessionPair(t, transports[0], Config{}, Config{})
 	node.SeedRoundTrip(0)
-	if node.minRTT.Load() != 0 {
+	if node.seedRTT.Load() != 0 {
 		t.Fatal("a zero seed was kept")
 	}
 	node.SeedRoundTrip(80 * time.Millisecond)
 	node.SeedRoundTrip(120 * time.Millisecond) // longer: ignored
-	if got := time.Duration(node.minRTT.Load()); got != 80*time.Millisecond {
-		t.Fatalf("session round trip %v, want 80ms", got)
-	}
 	c, err := node.Open(ConnectInfo{RouteKey: "x"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	c.mu.Lock()
-	size := c.rwin.size
+	size, rtt := c.rwin.size, c.rwin.minRTT
 	c.mu.Unlock()
-	if size != openWindowLongPath {
-		t.Fatalf("a connection opened on a seeded long path has window %d, want %d", size, openWindowLongPath)
+	if size != InitialWindow || rtt != 80*time.Millisecond {
+		t.Fatalf("a connection on a seeded session: window %d, round trip %v; want %d, 80ms", size, rtt, InitialWindow)
 	}
-	lowerRoundTrip(&node.minRTT, 30*time.Millisecond)
-	if got := time.Duration(node.minRTT.Load()); got != 30*time.Millisecond {
-		t.Fatalf("a probe did not lower the seed: %v", got)
+	lowerRoundTrip(&node.minRTT, 30*time.Millisecond) // a probe measured it
+	c, err = node.Open(ConnectInfo{RouteKey: "y"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	size, rtt = c.rwin.size, c.rwin.minRTT
+	c.mu.Unlock()
+	if size != openWindowLongPath || rtt != 30*time.Millisecond {
+		t.Fatalf("after a measured 30 ms: window %d, round trip %v; want %d, 30ms", size, rtt, openWindowLongPath)
 	}
 }
