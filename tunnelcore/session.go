@@ -110,7 +110,7 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 		// flows refuse the Connect instead of taking it for a stream.
 		c.flow, c.credit, window = newFlowState(s), 0, 0
 	} else {
-		window = uint32(c.rwin.openWindow(time.Duration(s.minRTT.Load()), s.cfg.Budget, s.windowLimits))
+		window = uint32(c.rwin.openWindow(time.Duration(s.minRTT.Load()), time.Duration(s.seedRTT.Load()), s.cfg.Budget, s.windowLimits))
 	}
 	s.mu.Lock()
 	if s.isDone() {
@@ -137,10 +137,11 @@ func (s *Session) Open(info ConnectInfo) (*Conn, error) {
 // measured by its owner before any connection moved bytes (a node: from
 // offering the data lane to the lane's hello, at least one round trip).
 // Until a connection's probe measures the round trip, windows grow as on
-// a path that long (eightfold per decision past a millisecond); they still
-// open at InitialWindow, since an estimate that includes the agent's own
-// delays can make a busy host look far away. Give an upper bound: one
-// below the real round trip would hold windows back.
+// a path that long (eightfold per decision past a millisecond), and open
+// larger only from 10 ms (openWindowSeedMin): an estimate includes the
+// agent's own delays, which can make a busy host a millisecond away look
+// far. Give an upper bound: one below the real round trip would hold
+// windows back.
 func (s *Session) SeedRoundTrip(d time.Duration) {
 	if d > 0 {
 		lowerRoundTrip(&s.seedRTT, d)

@@ -82,15 +82,22 @@ type windowLimits struct {
 // then takes two or three round trips instead of six or seven.
 const openWindowLongPath = 1 << 20
 
+// openWindowSeedMin is the estimated round trip (SeedRoundTrip) from which
+// connections open at openWindowLongPath before one was measured: an
+// estimate includes the peer's own delays, which on a busy host reach a
+// millisecond or more, but not ten.
+const openWindowSeedMin = 10 * time.Millisecond
+
 // openWindow returns the receive window a connection opening on its
 // session announces: InitialWindow, or on a session whose connections
-// measured a long round trip (measured, not estimated: see SeedRoundTrip)
-// openWindowLongPath within limits.max, when the budget grants it. An idle
-// reader gives the credit back as any grown window does
-// (Session.reclaimIdle).
-func (w *recvWindow) openWindow(measured time.Duration, budget *Budget, limits windowLimits) int64 {
+// measured a long round trip (or, with none measured yet, whose estimate
+// is at least openWindowSeedMin) openWindowLongPath within limits.max,
+// when the budget grants it. An idle reader gives the credit back as any
+// grown window does (Session.reclaimIdle).
+func (w *recvWindow) openWindow(measured, seed time.Duration, budget *Budget, limits windowLimits) int64 {
 	size := min(int64(openWindowLongPath), limits.max)
-	if measured < longRoundTrip || size <= w.size || !budget.grow(w.charged, size-w.size) {
+	long := measured >= longRoundTrip || (measured == 0 && seed >= openWindowSeedMin)
+	if !long || size <= w.size || !budget.grow(w.charged, size-w.size) {
 		return w.size
 	}
 	w.charged += size - w.size

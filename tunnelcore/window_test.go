@@ -250,34 +250,41 @@ func TestWindowOpenOnALongPath(t *testing.T) {
 	var session atomic.Int64
 	for _, measured := range []time.Duration{0, 200 * time.Microsecond} {
 		w := newSessionRecvWindow(InitialWindow, &session, 0)
-		if got := w.openWindow(measured, NewBudget(64<<20), limits); got != InitialWindow {
+		if got := w.openWindow(measured, 0, NewBudget(64<<20), limits); got != InitialWindow {
 			t.Fatalf("measured %v: opens with %d, want %d", measured, got, InitialWindow)
 		}
 	}
 	w := newSessionRecvWindow(InitialWindow, &session, 0)
 	budget := NewBudget(64 << 20)
-	if got := w.openWindow(40*time.Millisecond, budget, limits); got != openWindowLongPath || budget.InUse() != openWindowLongPath-InitialWindow {
+	if got := w.openWindow(40*time.Millisecond, 0, budget, limits); got != openWindowLongPath || budget.InUse() != openWindowLongPath-InitialWindow {
 		t.Fatalf("long path: opens with %d charging %d, want %d charging %d", got, budget.InUse(), openWindowLongPath, openWindowLongPath-InitialWindow)
 	}
 	if !w.receive(openWindowLongPath) || w.receive(1) {
 		t.Fatal("the opening window is not the credit the peer holds")
 	}
 	w = newSessionRecvWindow(InitialWindow, &session, 0)
-	if got := w.openWindow(40*time.Millisecond, NewBudget(0), limits); got != InitialWindow {
+	if got := w.openWindow(40*time.Millisecond, 0, NewBudget(0), limits); got != InitialWindow {
 		t.Fatalf("no budget: opens with %d, want %d", got, InitialWindow)
+	}
+	// Nothing measured yet: an estimate opens it from 10 ms, not below.
+	for seed, want := range map[time.Duration]int64{3 * time.Millisecond: InitialWindow, 25 * time.Millisecond: openWindowLongPath} {
+		w = newSessionRecvWindow(InitialWindow, &session, seed)
+		if got := w.openWindow(0, seed, NewBudget(64<<20), limits); got != want {
+			t.Fatalf("estimated %v: opens with %d, want %d", seed, got, want)
+		}
 	}
 }
 
 // SeedRoundTrip gives new connections a round trip to grow by before any
-// probe (an estimate: they still open at InitialWindow), and a measured
-// one takes its place.
+// probe (below 10 ms they still open at InitialWindow), and a measured one
+// takes its place.
 func TestSeedRoundTrip(t *testing.T) {
 	node, _ := sessionPair(t, transports[0], Config{}, Config{})
 	node.SeedRoundTrip(0)
 	if node.seedRTT.Load() != 0 {
 		t.Fatal("a zero seed was kept")
 	}
-	node.SeedRoundTrip(80 * time.Millisecond)
+	node.SeedRoundTrip(5 * time.Millisecond)
 	node.SeedRoundTrip(120 * time.Millisecond) // longer: ignored
 	c, err := node.Open(ConnectInfo{RouteKey: "x"})
 	if err != nil {
@@ -286,8 +293,8 @@ func TestSeedRoundTrip(t *testing.T) {
 	c.mu.Lock()
 	size, rtt := c.rwin.size, c.rwin.minRTT
 	c.mu.Unlock()
-	if size != InitialWindow || rtt != 80*time.Millisecond {
-		t.Fatalf("a connection on a seeded session: window %d, round trip %v; want %d, 80ms", size, rtt, InitialWindow)
+	if size != InitialWindow || rtt != 5*time.Millisecond {
+		t.Fatalf("a connection on a session estimated 5 ms away: window %d, round trip %v; want %d, 5ms", size, rtt, InitialWindow)
 	}
 	lowerRoundTrip(&node.minRTT, 30*time.Millisecond) // a probe measured it
 	c, err = node.Open(ConnectInfo{RouteKey: "y"})
