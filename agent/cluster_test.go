@@ -653,7 +653,7 @@ func newTestCA(t testing.TB) *testCA {
 		t.Fatal(err)
 	}
 	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "sluice cluster test CA"},
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "sluice test CA"},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
 		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
 	}
@@ -668,6 +668,13 @@ func newTestCA(t testing.TB) *testCA {
 // creds are a node's TLS credentials with a certificate for names (IP
 // addresses or DNS names) alone.
 func (ca *testCA) creds(t testing.TB, names ...string) credentials.TransportCredentials {
+	t.Helper()
+	return credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{ca.serverCert(t, names...)}})
+}
+
+// serverCert is a server certificate for names (IP addresses or DNS
+// names) alone, signed by ca.
+func (ca *testCA) serverCert(t testing.TB, names ...string) tls.Certificate {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -689,7 +696,7 @@ func (ca *testCA) creds(t testing.TB, names ...string) credentials.TransportCred
 	if err != nil {
 		t.Fatal(err)
 	}
-	return credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}})
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
 
 // TestMembersOverTLSVerifyTheirOwnNames: with a grpcs:// server, each

@@ -73,14 +73,7 @@ done
 
 cat >"$tmp/Caddyfile" <<EOF
 {
-	admin off
-	persist_config off
-	auto_https off
-	storage file_system $tmp/storage
-	log default {
-		output stderr
-		level ERROR
-	}
+$(caddy_globals)
 	servers {
 		protocols h1 h2c
 	}

@@ -53,15 +53,8 @@ start_relay "127.0.0.1:$RELAY_PORT" "127.0.0.1:$UP_PORT"
 
 cat >"$tmp/Caddyfile" <<EOF
 {
-	admin off
-	persist_config off
-	auto_https off
-	storage file_system $tmp/storage
+$(caddy_globals)
 	default_bind 127.0.0.1
-	log default {
-		output stderr
-		level ERROR
-	}
 	servers {
 		timeouts {
 			read_header 10s

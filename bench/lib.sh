@@ -174,6 +174,13 @@ start_relay() {
 	pids+=("$RELAY_PID")
 }
 
+# caddy_globals: the global options every bench Caddyfile starts with: no
+# admin API, no autosave, no certificates, storage in $tmp, errors only.
+caddy_globals() {
+	printf '\tadmin off\n\tpersist_config off\n\tauto_https off\n\tstorage file_system %s/storage\n' "$tmp"
+	printf '\tlog default {\n\t\toutput stderr\n\t\tlevel ERROR\n\t}\n'
+}
+
 # start_caddy: runs $CADDY with $tmp/Caddyfile (storage in $tmp/storage); sets CADDY_PID.
 start_caddy() {
 	mkdir -p "$tmp/storage" "$tmp/xdg-data" "$tmp/xdg-config"

@@ -58,14 +58,7 @@ start_relay "127.0.0.1:$RELAY_PORT" "${ADDR[direct]}"
 
 cat >"$tmp/Caddyfile" <<EOF
 {
-	admin off
-	persist_config off
-	auto_https off
-	storage file_system $tmp/storage
-	log default {
-		output stderr
-		level ERROR
-	}
+$(caddy_globals)
 	sluice {
 		listen 127.0.0.1:$CONTROL_PORT
 		token $TOKEN

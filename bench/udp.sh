@@ -91,14 +91,7 @@ pids+=("$UP_PID")
 
 cat >"$tmp/Caddyfile" <<EOF
 {
-	admin off
-	persist_config off
-	auto_https off
-	storage file_system $tmp/storage
-	log default {
-		output stderr
-		level ERROR
-	}
+$(caddy_globals)
 	sluice {
 		listen 127.0.0.1:$CONTROL_PORT
 		token $TOKEN

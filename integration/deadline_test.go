@@ -97,20 +97,7 @@ func startDeadlineApp(t testing.TB, release <-chan struct{}) string {
 	})
 	mux.HandleFunc("/sse", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
-		rc := http.NewResponseController(w)
-		fmt.Fprint(w, "id: 1\ndata: one\n\n")
-		if rc.Flush() != nil {
-			return
-		}
-		select {
-		case <-release:
-		case <-r.Context().Done():
-			return
-		case <-time.After(30 * time.Second):
-			return
-		}
-		fmt.Fprint(w, "id: 2\ndata: two\n\n")
-		rc.Flush()
+		serveTwoEvents(w, r, release)
 	})
 	return serveUpstream(t, mux)
 }

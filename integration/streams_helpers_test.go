@@ -385,13 +385,20 @@ func (g *gatedUpstream) serve(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/event-stream; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.Header().Set("X-Upstream", "gated")
+	serveTwoEvents(w, r, gate)
+}
+
+// serveTwoEvents sends an event stream's first event at once and its
+// second when release closes (bounded: the request's end, or 30 s, end it
+// without). The caller has set the headers.
+func serveTwoEvents(w http.ResponseWriter, r *http.Request, release <-chan struct{}) {
 	rc := http.NewResponseController(w)
 	fmt.Fprint(w, "id: 1\ndata: one\n\n")
 	if rc.Flush() != nil {
 		return
 	}
 	select {
-	case <-gate:
+	case <-release:
 	case <-r.Context().Done():
 		return
 	case <-time.After(30 * time.Second):
