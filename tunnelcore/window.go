@@ -116,10 +116,12 @@ func lowerRoundTrip(rtt *atomic.Int64, d time.Duration) {
 }
 
 // rttProbe records the round trip a pending probe measured when n more
-// bytes arrive. The first byte past probeMark
-// could only be sent once the probing grant reached the writer, so the time
-// from that grant to its arrival is one round trip of the tunnel plus the
-// writer's own delay; the smallest such time is the round trip.
+// bytes arrive. The first byte past probeMark could only be sent once the
+// probing grant reached the writer, so the time from that grant to its
+// arrival is one round trip of the tunnel plus the writer's own delay; the
+// smallest such time is the round trip. The session learns every
+// measurement, also one above what this window started from (an estimate,
+// SeedRoundTrip): a measured round trip is what opens windows larger.
 func (w *recvWindow) rttProbe(n int64) {
 	if w.probeAt.IsZero() || w.received+n <= w.probeMark {
 		return
@@ -127,9 +129,9 @@ func (w *recvWindow) rttProbe(n int64) {
 	rtt := time.Since(w.probeAt)
 	if w.minRTT == 0 || rtt < w.minRTT {
 		w.minRTT = rtt
-		if w.sessionRTT != nil {
-			lowerRoundTrip(w.sessionRTT, rtt)
-		}
+	}
+	if w.sessionRTT != nil {
+		lowerRoundTrip(w.sessionRTT, rtt)
 	}
 	w.probeAt = time.Time{}
 }

@@ -308,3 +308,19 @@ func TestSeedRoundTrip(t *testing.T) {
 		t.Fatalf("after a measured 30 ms: window %d, round trip %v; want %d, 30ms", size, rtt, openWindowLongPath)
 	}
 }
+
+// A probe that measures more than the estimate a window started from is
+// still the session's first measured round trip.
+func TestProbeAboveTheEstimateIsMeasured(t *testing.T) {
+	var session atomic.Int64
+	w := newSessionRecvWindow(InitialWindow, &session, 20*time.Millisecond)
+	w.receive(InitialWindow)
+	w.consume(InitialWindow, time.Now().Add(-30*time.Millisecond), NewBudget(0), windowLimits{max: InitialWindow, bdpMax: InitialWindow})
+	w.receive(1)
+	if got := time.Duration(session.Load()); got < 30*time.Millisecond {
+		t.Fatalf("session round trip %v after a 30 ms probe, want it measured", got)
+	}
+	if w.minRTT != 20*time.Millisecond {
+		t.Fatalf("window round trip %v, want the lower estimate kept", w.minRTT)
+	}
+}
